@@ -1,0 +1,211 @@
+// FlashAttention-2 forward, sm80 instructions (mma.sync, ldmatrix, cp.async); runs on sm80+.
+//
+// One thread block per (q block of kBlockM rows, head, batch), on a 1-D grid (block_coords). Pseudocode (FA2 Algorithm 1):
+//
+//   load Q_i                                   // once, into shared memory
+//   m = -inf, l = 0, O = 0                     // registers
+//   for j = n_block_max - 1 down to 0:         // causal: blocks right of the diagonal never visited
+//       load V_j (async, overlaps S)           // K_j was prefetched during the previous PV
+//       S = Q_i K_j^T                          // tensor cores, fp32 accumulators
+//       mask S if block j straddles seqlen_k or the diagonal
+//       m_new = max(m, rowmax(S)); P = exp2(S * c - m_new * c); l = l * exp2(m - m_new) + rowsum(P)
+//       O = O * exp2(m - m_new)
+//       prefetch K_{j-1} (async, overlaps PV)
+//       O += P V_j                             // P converted to 16-bit in registers, never stored
+//   O /= l;  LSE = m * softmax_scale + ln(l)   // c = softmax_scale * log2(e)
+//
+// Warps split the q block (FA2 section 3.3): warp w owns rows [w * kRowsPerWarp, +kRowsPerWarp)
+// and shares K_j, V_j through shared memory, so no warp waits on another's partial results.
+#include "ptx.cuh"
+#include "tile.cuh"
+#include "softmax.cuh"
+#include "mask.cuh"
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool Is_causal_, bool Is_bf16_>
+struct FwdTraits {
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
+    static constexpr bool Is_causal = Is_causal_, Is_bf16 = Is_bf16_;
+    static constexpr int kThreads = kNWarps * 32;
+    static constexpr int kRowsPerWarp = kBlockM / kNWarps;
+    static constexpr int kMTiles = kRowsPerWarp / 16;  // 16-row mma tiles per warp
+    static constexpr int kNTiles = kBlockN / 8;        // 8-key mma tiles of S
+    static constexpr int kDTiles = kHeadDim / 8;       // 8-column mma tiles of O
+    static constexpr int kPitch = SmemTile<kHeadDim>::kPitch;
+    // Q, K and V tiles; flashcupy/configs.py computes the same number for the launch.
+    static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kPitch * 2;
+    static_assert(kHeadDim % 32 == 0, "head dim must be a multiple of 32");
+    static_assert(kBlockM % (16 * kNWarps) == 0, "each warp needs whole 16-row tiles");
+    static_assert(kBlockN % 16 == 0, "key block must be a multiple of 16");
+};
+
+// Which (q block, head, batch) the thread block with linear index `block` owns (a 1-D grid of
+// num_m_blocks * nheads * batch blocks). Without causal, q blocks of one head are adjacent, so
+// the blocks that run together stream the same K, V through L2. With causal, work per q block
+// grows with its index, so the heaviest q block of every head goes first and the light ones fill
+// the tail. flashcupy/launch.py mirrors this for its tests.
+template <bool Is_causal>
+FC_DEVICE void block_coords(int block, int num_m_blocks, int nheads, int& m_block, int& head, int& batch) {
+    if (Is_causal) {
+        const int heads_total = gridDim.x / num_m_blocks;  // nheads * batch
+        const int hb = block % heads_total;
+        m_block = num_m_blocks - 1 - block / heads_total;
+        head = hb % nheads;
+        batch = hb / nheads;
+    } else {
+        m_block = block % num_m_blocks;
+        head = (block / num_m_blocks) % nheads;
+        batch = block / num_m_blocks / nheads;
+    }
+}
+
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool Is_causal, bool Is_bf16>
+__global__ void __launch_bounds__(kNWarps * 32)
+flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   headdim), strides below
+                 const u16* __restrict__ k,    // (batch, seqlen_k, nheads_k, headdim)
+                 const u16* __restrict__ v,    // (batch, seqlen_k, nheads_k, headdim)
+                 u16* __restrict__ out,        // (batch, seqlen_q, nheads,   headdim)
+                 float* __restrict__ lse,      // (batch, nheads, seqlen_q), contiguous
+                 const int seqlen_q, const int seqlen_k, const int nheads, const int heads_per_kv_head,
+                 const i64 q_batch_stride, const i64 q_row_stride, const i64 q_head_stride,
+                 const i64 k_batch_stride, const i64 k_row_stride, const i64 k_head_stride,
+                 const i64 v_batch_stride, const i64 v_row_stride, const i64 v_head_stride,
+                 const i64 o_batch_stride, const i64 o_row_stride, const i64 o_head_stride,
+                 const float softmax_scale, const float scale_log2) {
+    using T = FwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, Is_causal, Is_bf16>;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    u16* sQ = reinterpret_cast<u16*>(smem_raw);
+    u16* sK = sQ + kBlockM * T::kPitch;
+    u16* sV = sK + kBlockN * T::kPitch;
+
+    int m_block, head, batch;
+    block_coords<Is_causal>(blockIdx.x, (seqlen_q + kBlockM - 1) / kBlockM, nheads, m_block, head, batch);
+    const int kv_head = head / heads_per_kv_head;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int row0 = m_block * kBlockM;
+    const int rows_valid = min(kBlockM, seqlen_q - row0);
+
+    const u16* gQ = q + batch * q_batch_stride + head * q_head_stride + row0 * q_row_stride;
+    const u16* gK = k + batch * k_batch_stride + kv_head * k_head_stride;
+    const u16* gV = v + batch * v_batch_stride + kv_head * v_head_stride;
+    u16* gO = out + batch * o_batch_stride + head * o_head_stride + row0 * o_row_stride;
+    float* gLse = lse + (i64(batch) * nheads + head) * seqlen_q + row0;
+
+    const Mask<Is_causal, kBlockM, kBlockN> mask{seqlen_q, seqlen_k};
+    const int n_block_max = (mask.key_end(row0) + kBlockN - 1) / kBlockN;
+    const int warp_row0 = warp * T::kRowsPerWarp;  // first row of this warp within the q block
+    const int g = lane >> 2, t = lane & 3;
+
+    float acc_o[T::kMTiles][T::kDTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < T::kMTiles; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < T::kDTiles; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+    OnlineSoftmax<T::kMTiles> softmax;
+
+    const u32 sQ_base = smem_u32(sQ), sK_base = smem_u32(sK), sV_base = smem_u32(sV);
+    const TileLoader<kBlockM, kHeadDim, T::kThreads> q_loader(tid, q_row_stride);
+    const TileLoader<kBlockN, kHeadDim, T::kThreads> k_loader(tid, k_row_stride);
+    const TileLoader<kBlockN, kHeadDim, T::kThreads> v_loader(tid, v_row_stride);
+    if (n_block_max > 0) {
+        q_loader.load(sQ_base, gQ, rows_valid);
+        const int key_last = (n_block_max - 1) * kBlockN;
+        k_loader.load(sK_base, gK + key_last * k_row_stride, seqlen_k - key_last);
+        cp_async_commit();
+    }
+    // This lane's ldmatrix addresses; per-fragment offsets below are compile-time constants.
+    const u32 sQ_frag = sQ_base + tile_offset<kHeadDim>(warp_row0, 0) + ldsm_lane_offset_a<kHeadDim>(lane);
+    const u32 sK_frag = sK_base + ldsm_lane_offset_b<kHeadDim>(lane);
+    const u32 sV_frag = sV_base + ldsm_lane_offset_a<kHeadDim>(lane);
+
+    for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
+        const int key0 = n_block * kBlockN;
+        cp_async_wait<0>();
+        __syncthreads();  // K_j landed for every warp; every warp is done reading V_{j+1}
+        v_loader.load(sV_base, gV + key0 * v_row_stride, seqlen_k - key0);
+        cp_async_commit();
+
+        // S = Q_i K_j^T over the head dim, 16 columns per step.
+        float acc_s[T::kMTiles][T::kNTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < T::kMTiles; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < T::kNTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+#pragma unroll
+        for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+            u32 a[T::kMTiles][4];
+#pragma unroll
+            for (int mt = 0; mt < T::kMTiles; ++mt)
+                ldmatrix_x4(a[mt], sQ_frag + tile_offset<kHeadDim>(16 * mt, 16 * kd));
+#pragma unroll
+            for (int np = 0; np < T::kNTiles / 2; ++np) {
+                u32 b[4];
+                ldmatrix_x4(b, sK_frag + tile_offset<kHeadDim>(16 * np, 16 * kd));
+#pragma unroll
+                for (int mt = 0; mt < T::kMTiles; ++mt) {
+                    mma_16816<Is_bf16>(acc_s[mt][2 * np], a[mt], b[0], b[1]);
+                    mma_16816<Is_bf16>(acc_s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+        if (mask.tile_needs_mask(row0, n_block)) mask.apply(acc_s, row0 + warp_row0, key0, lane);
+        softmax.update(acc_s, acc_o, scale_log2);
+
+        cp_async_wait<0>();
+        __syncthreads();  // V_j landed; every warp is done reading K_j
+        if (n_block > 0) {
+            const int key_prev = key0 - kBlockN;
+            k_loader.load(sK_base, gK + key_prev * k_row_stride, seqlen_k - key_prev);
+            cp_async_commit();
+        }
+
+        // O += P V_j, 16 keys per step; two n8 tiles of P make one k16 A fragment.
+#pragma unroll
+        for (int ks = 0; ks < kBlockN / 16; ++ks) {
+            u32 p[T::kMTiles][4];
+#pragma unroll
+            for (int mt = 0; mt < T::kMTiles; ++mt) {
+                p[mt][0] = pack_f32x2<Is_bf16>(acc_s[mt][2 * ks][0], acc_s[mt][2 * ks][1]);
+                p[mt][1] = pack_f32x2<Is_bf16>(acc_s[mt][2 * ks][2], acc_s[mt][2 * ks][3]);
+                p[mt][2] = pack_f32x2<Is_bf16>(acc_s[mt][2 * ks + 1][0], acc_s[mt][2 * ks + 1][1]);
+                p[mt][3] = pack_f32x2<Is_bf16>(acc_s[mt][2 * ks + 1][2], acc_s[mt][2 * ks + 1][3]);
+            }
+#pragma unroll
+            for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, sV_frag + tile_offset<kHeadDim>(16 * ks, 16 * dp));
+#pragma unroll
+                for (int mt = 0; mt < T::kMTiles; ++mt) {
+                    mma_16816<Is_bf16>(acc_o[mt][2 * dp], p[mt], b[0], b[1]);
+                    mma_16816<Is_bf16>(acc_o[mt][2 * dp + 1], p[mt], b[2], b[3]);
+                }
+            }
+        }
+    }
+
+    float row_lse[OnlineSoftmax<T::kMTiles>::kRows];
+    softmax.finalize(acc_o, softmax_scale, row_lse);
+
+    // Stage O through this warp's own rows of sQ (only this warp ever read them), then store
+    // 16-byte chunks. A block with no key at all never loaded Q, so it skips straight here too.
+    __syncwarp();
+#pragma unroll
+    for (int mt = 0; mt < T::kMTiles; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = warp_row0 + 16 * mt + g + 8 * h;
+#pragma unroll
+            for (int dt = 0; dt < T::kDTiles; ++dt) {
+                *reinterpret_cast<u32*>(sQ + row * T::kPitch + 8 * dt + 2 * t) =
+                    pack_f32x2<Is_bf16>(acc_o[mt][dt][2 * h], acc_o[mt][dt][2 * h + 1]);
+            }
+            if (t == 0 && row < rows_valid) gLse[row] = row_lse[2 * mt + h];
+        }
+    }
+    __syncwarp();
+    store_tile<T::kRowsPerWarp, kHeadDim, 32>(gO + i64(warp_row0) * o_row_stride, o_row_stride,
+                                              sQ + warp_row0 * T::kPitch, rows_valid - warp_row0, lane);
+}

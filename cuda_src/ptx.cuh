@@ -1,0 +1,94 @@
+// Thin wrappers over the PTX instructions the sm80 kernels use.
+// No CUDA toolkit header is included anywhere in cuda_src: NVRTC alone builds every kernel,
+// on any machine, so CI can compile every variant without a GPU.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+#define FC_DEVICE __device__ __forceinline__
+
+// Generic pointer -> 32-bit shared-memory address (what ldmatrix / cp.async take).
+FC_DEVICE u32 smem_u32(const void* ptr) {
+    u32 addr;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(ptr));
+    return addr;
+}
+
+// ---- cp.async (sm80): 16-byte global -> shared copies that bypass registers --------------------
+// src_bytes = 0 writes 16 zero bytes: how ragged tails are loaded without reading past the end.
+FC_DEVICE void cp_async_16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+FC_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+FC_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// ---- ldmatrix: four 8x8 b16 matrices from shared memory into mma fragments ---------------------
+// Lane l gives the address of row (l % 8) of matrix (l / 8); register i receives matrix i.
+FC_DEVICE void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+FC_DEVICE void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// ---- mma.sync m16n8k16, float32 accumulators: c += a * b ----------------------------------------
+// a: 16x16 row-major fragment (4 regs), b: 16x8 column fragment (2 regs), c: 16x8 (4 floats).
+// Fragment layout (lane = 4 * g + t): c[0..1] = row g, cols 2t..2t+1; c[2..3] = row g + 8.
+template <bool Is_bf16>
+FC_DEVICE void mma_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    if constexpr (Is_bf16) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// ---- conversions and special functions ----------------------------------------------------------
+// Two floats -> packed 16-bit pair, lo in the low half (the element with the lower column index).
+template <bool Is_bf16>
+FC_DEVICE u32 pack_f32x2(float lo, float hi) {
+    u32 r;
+    if constexpr (Is_bf16) {
+        asm("cvt.rn.bf16x2.f32 %0, %2, %1;\n" : "=r"(r) : "f"(lo), "f"(hi));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %2, %1;\n" : "=r"(r) : "f"(lo), "f"(hi));
+    }
+    return r;
+}
+
+// Packed 16-bit pair -> two floats.
+template <bool Is_bf16>
+FC_DEVICE void unpack_f32x2(u32 v, float& lo, float& hi) {
+    if constexpr (Is_bf16) {
+        lo = __uint_as_float(v << 16);
+        hi = __uint_as_float(v & 0xffff0000u);
+    } else {
+        asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }\n"
+            : "=f"(lo), "=f"(hi) : "r"(v));
+    }
+}
+
+FC_DEVICE float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+FC_DEVICE float fast_log2(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+#define FC_INF __int_as_float(0x7f800000)

@@ -1,0 +1,107 @@
+"""Argument checks for the public API: clear errors that name the argument, raised before any launch.
+
+The checks work on `ArraySpec`, a small description of an array (shape, dtype, element strides,
+device), so the same code runs on the CPU in tests and on GPU arrays in the API.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .configs import SUPPORTED_HEAD_DIMS
+
+try:  # bfloat16 as a NumPy dtype (CuPy 14 accepts it); a plain dependency of the package
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is in install_requires
+    BFLOAT16 = None
+
+SUPPORTED_DTYPES = {np.dtype(np.float16): "float16"}
+if BFLOAT16 is not None:
+    SUPPORTED_DTYPES[BFLOAT16] = "bfloat16"
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    shape: tuple
+    dtype: np.dtype
+    strides: tuple  # in elements
+    device: int | None  # CUDA device id
+
+    @classmethod
+    def of(cls, array, device: int | None = None) -> "ArraySpec":
+        itemsize = array.dtype.itemsize
+        strides = tuple(s // itemsize for s in array.strides)
+        if device is None:
+            dev = getattr(array, "device", None)
+            device = getattr(dev, "id", None)
+        return cls(tuple(array.shape), np.dtype(array.dtype), strides, device)
+
+
+def dtype_name(dtype) -> str:
+    dtype = np.dtype(dtype)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported dtype {dtype}; flashcupy supports float16 and bfloat16")
+    return SUPPORTED_DTYPES[dtype]
+
+
+def check_forward_inputs(q: ArraySpec, k: ArraySpec, v: ArraySpec, softmax_scale) -> None:
+    """Validate q, k, v of shape (batch, seqlen, nheads, headdim) and the softmax scale."""
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if len(a.shape) != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim); "
+                             f"got shape {a.shape}")
+        if a.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {a.dtype}; flashcupy supports float16 and bfloat16")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device; got q on {q.device}, k on {k.device}, "
+                         f"v on {v.device}")
+    batch, _, nheads, head_dim = q.shape
+    for name, a in (("k", k), ("v", v)):
+        if a.shape[0] != batch:
+            raise ValueError(f"{name} has batch size {a.shape[0]} but q has {batch}")
+        if a.shape[3] != head_dim:
+            raise ValueError(f"{name} has head dim {a.shape[3]} but q has {head_dim}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same seqlen; got k {k.shape[1]}, v {v.shape[1]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same number of heads; got k {k.shape[2]}, v {v.shape[2]}")
+    nheads_k = k.shape[2]
+    if nheads_k == 0 or nheads % nheads_k != 0:
+        raise ValueError(f"the number of heads in k/v ({nheads_k}) must divide the number of heads "
+                         f"in q ({nheads})")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim {head_dim} is not supported; supported head dims: "
+                         f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.strides[3] != 1 and a.shape[3] > 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (headdim); got element "
+                             f"strides {a.strides}. Make it so with cupy.ascontiguousarray({name}).")
+        # 16-byte vector loads need every row start aligned to 8 elements
+        if any(s % 8 for s, n in zip(a.strides[:3], a.shape[:3]) if n > 1):
+            raise ValueError(f"{name} strides {a.strides} (in elements) must be multiples of 8 for the "
+                             "batch, seqlen and head dimensions; copy it with cupy.ascontiguousarray")
+    check_softmax_scale(softmax_scale)
+
+
+def check_softmax_scale(softmax_scale) -> None:
+    if softmax_scale is None:
+        return
+    try:
+        value = float(softmax_scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"softmax_scale must be a positive number or None; got {softmax_scale!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"softmax_scale must be a positive finite number or None; got {softmax_scale!r}")
+
+
+def check_pointer_alignment(name: str, ptr: int) -> None:
+    if ptr % 16:
+        raise ValueError(f"{name} data must be 16-byte aligned for vector loads; got address {ptr:#x}. "
+                         f"Copy it with cupy.ascontiguousarray({name}).")

@@ -1,0 +1,68 @@
+"""Tile table and launch planner, on the CPU."""
+
+import pytest
+
+from flashcupy import configs, launch
+
+CAPABILITIES = [80, 86, 89, 90]
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_every_variant_fits_shared_memory(capability):
+    limit = configs.smem_limit(capability)
+    variants = configs.all_fwd_variants(capability)
+    assert len(variants) == len(configs.SUPPORTED_HEAD_DIMS) * 2 * 2
+    for v in variants:
+        assert v.smem_bytes <= limit, f"{v} needs {v.smem_bytes} B of shared memory, {limit} available"
+        t = v.tile
+        assert t.block_m % (16 * t.num_warps) == 0 and t.block_n % 16 == 0
+
+
+def test_smem_limit_falls_back_to_smaller_tile():
+    big = configs.fwd_tile(256, 90)
+    small = configs.fwd_tile(256, 86)
+    assert configs.fwd_smem_bytes(256, big) > configs.smem_limit(86) >= configs.fwd_smem_bytes(256, small)
+
+
+def test_unsupported_capability_and_head_dim():
+    with pytest.raises(ValueError, match="compute capability 7.5"):
+        configs.fwd_tile(64, 75)
+    with pytest.raises(ValueError, match="supported head dims"):
+        configs.fwd_tile(48, 90)
+
+
+def test_name_expression_carries_template_arguments():
+    v = configs.fwd_variant(128, "bfloat16", True, 90)
+    t = v.tile
+    assert v.name_expression == f"flash_fwd_kernel<128, {t.block_m}, {t.block_n}, {t.num_warps}, true, true>"
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+@pytest.mark.parametrize("seqlen_q", [1, 17, 63, 64, 65, 127, 128, 129, 1000, 4099])
+def test_planner_covers_every_query_row_once(capability, seqlen_q):
+    batch, nheads = 3, 5
+    for v in configs.all_fwd_variants(capability):
+        plan = launch.plan_forward(v, batch=batch, nheads=nheads, seqlen_q=seqlen_q)
+        assert plan.block == (v.tile.threads, 1, 1) and plan.smem_bytes == v.smem_bytes
+        num_m = -(-seqlen_q // v.tile.block_m)
+        covered = []
+        for x in range(plan.grid[0]):
+            m, h, b = launch.block_coords(x, plan.grid[0], num_m, nheads, v.causal)
+            assert 0 <= m < num_m and 0 <= h < nheads and 0 <= b < batch
+            row0 = m * v.tile.block_m
+            covered += [(b, h, r) for r in range(row0, min(row0 + v.tile.block_m, seqlen_q))]
+        assert sorted(covered) == [(b, h, r) for b in range(batch) for h in range(nheads) for r in range(seqlen_q)]
+
+
+def test_causal_launch_order_is_heaviest_first():
+    v = configs.fwd_variant(64, "float16", True, 90)
+    plan = launch.plan_forward(v, batch=2, nheads=3, seqlen_q=1000)
+    num_m = -(-1000 // v.tile.block_m)
+    order = [launch.block_coords(x, plan.grid[0], num_m, 3, True)[0] for x in range(plan.grid[0])]
+    assert order == sorted(order, reverse=True) and order[0] == num_m - 1
+
+
+def test_planner_rejects_grid_overflow():
+    v = configs.fwd_variant(64, "float16", False, 90)
+    with pytest.raises(ValueError, match="grid limit"):
+        launch.plan_forward(v, batch=65536, nheads=1024, seqlen_q=65536)

@@ -1,0 +1,173 @@
+"""The forward kernel against the float64 reference, on the GPU."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from gpu_helpers import REL_TOL, poison_pool, randn, rel_err, requires_gpu, to_host64
+
+pytestmark = requires_gpu
+
+SEQLENS = [1, 17, 128, 1000, 4099]
+UNEQUAL = [(17, 1000), (1000, 17), (128, 4099), (4099, 129)]
+
+
+def run_and_check(q, k, v, causal, dtype_name, softmax_scale=None):
+    import cupy
+
+    import flashcupy
+    from flashcupy.reference import attention_ref
+
+    batch, seqlen_q, nheads, d = q.shape
+    poison_pool(((batch, seqlen_q, nheads, d), q.dtype), ((batch, nheads, seqlen_q), cupy.float32))
+    out, lse = flashcupy.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (batch, nheads, seqlen_q) and lse.dtype == cupy.float32
+    ref_out, ref_lse = attention_ref(to_host64(q), to_host64(k), to_host64(v), softmax_scale=softmax_scale,
+                                     causal=causal)
+    out_h, lse_h = to_host64(out), cupy.asnumpy(lse).astype(np.float64)
+    assert not np.isnan(out_h).any(), "unwritten (poisoned) or NaN output elements"
+    assert not np.isnan(lse_h).any(), "unwritten (poisoned) or NaN LSE elements"
+    err = rel_err(out_h, ref_out)
+    assert err < REL_TOL[dtype_name], f"out relative error {err:.2e}"
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse_h), finite), "rows with no key must have LSE -inf"
+    assert np.all(lse_h[~finite] == -np.inf)
+    lse_err = np.abs(lse_h[finite] - ref_lse[finite]).max(initial=0.0)
+    assert lse_err < 1e-3 * max(1.0, np.abs(ref_lse[finite]).max(initial=0.0)), f"LSE error {lse_err:.2e}"
+    return err
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen", SEQLENS)
+def test_equal_seqlens(dtype_name, head_dim, causal, seqlen):
+    rng = np.random.default_rng(1000 * seqlen + head_dim + causal)
+    for batch, nheads in ((1, 3), (8, 2)):
+        if batch * seqlen * seqlen > 8 * 1000 * 1000 and batch > 1:
+            batch = 2  # keep the float64 reference quick at the longest length
+        shape = (batch, seqlen, nheads, head_dim)
+        q, k, v = (randn(rng, shape, dtype_name) for _ in range(3))
+        run_and_check(q, k, v, causal, dtype_name)
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", UNEQUAL)
+def test_unequal_seqlens(dtype_name, head_dim, causal, seqlen_q, seqlen_k):
+    rng = np.random.default_rng(seqlen_q * 7 + seqlen_k + head_dim + causal)
+    q = randn(rng, (2, seqlen_q, 2, head_dim), dtype_name)
+    k, v = (randn(rng, (2, seqlen_k, 2, head_dim), dtype_name) for _ in range(2))
+    run_and_check(q, k, v, causal, dtype_name)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_other_head_dims(head_dim, causal):
+    rng = np.random.default_rng(head_dim + causal)
+    q = randn(rng, (2, 300, 2, head_dim), "bfloat16")
+    k, v = (randn(rng, (2, 333, 2, head_dim), "bfloat16") for _ in range(2))
+    run_and_check(q, k, v, causal, "bfloat16")
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_large_batch_heads_and_scale(dtype_name):
+    rng = np.random.default_rng(7)
+    shape = (8, 130, 16, 64)
+    q, k, v = (randn(rng, shape, dtype_name) for _ in range(3))
+    run_and_check(q, k, v, True, dtype_name, softmax_scale=0.3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_noncontiguous_strides(causal):
+    """Packed qkv (batch, seq, 3, heads, d) and a (batch, heads, seq, d) buffer seen transposed."""
+    import cupy
+
+    rng = np.random.default_rng(11)
+    b, n, h, d = 2, 257, 4, 128
+    qkv = randn(rng, (b, n, 3, h, d), "bfloat16")
+    q, k = qkv[:, :, 0], qkv[:, :, 1]
+    v = cupy.ascontiguousarray(randn(rng, (b, h, n, d), "bfloat16")).transpose(0, 2, 1, 3)
+    assert not q.flags.c_contiguous and not v.flags.c_contiguous
+    run_and_check(q, k, v, causal, "bfloat16")
+
+
+def test_gqa_heads():
+    rng = np.random.default_rng(5)
+    q = randn(rng, (2, 200, 8, 64), "float16")
+    k, v = (randn(rng, (2, 190, 2, 64), "float16") for _ in range(2))
+    run_and_check(q, k, v, True, "float16")
+
+
+def test_nan_stays_in_its_row():
+    import cupy
+
+    import flashcupy
+
+    rng = np.random.default_rng(3)
+    q, k, v = (randn(rng, (1, 200, 2, 64), "float16") for _ in range(3))
+    q[0, 37, 1, 5] = np.nan
+    out = to_host64(flashcupy.flash_attn_func(q, k, v))
+    assert np.isnan(out[0, 37, 1]).all()
+    mask = np.ones(out.shape, bool)
+    mask[0, 37, 1] = False
+    assert np.isfinite(out[mask]).all()
+    cupy.cuda.Device().synchronize()
+
+
+def test_empty_inputs_make_no_launch():
+    import cupy
+
+    import flashcupy
+
+    rng = np.random.default_rng(0)
+    q = randn(rng, (0, 16, 2, 64), "float16")
+    out, lse = flashcupy.flash_attn_func(q, q, q, return_lse=True)
+    assert out.shape == (0, 16, 2, 64) and lse.shape == (0, 2, 16)
+    q = randn(rng, (2, 0, 2, 64), "float16")
+    assert flashcupy.flash_attn_func(q, q, q).shape == (2, 0, 2, 64)
+    # no keys at all: every row sees nothing
+    q = randn(rng, (1, 5, 2, 64), "float16")
+    kv = randn(rng, (1, 0, 2, 64), "float16")
+    out, lse = flashcupy.flash_attn_func(q, kv, kv, return_lse=True)
+    assert (cupy.asnumpy(out.astype(cupy.float32)) == 0).all()
+    assert (cupy.asnumpy(lse) == -np.inf).all()
+
+
+def test_host_array_is_refused():
+    import flashcupy
+
+    q = np.ones((1, 4, 1, 64), np.float16)
+    with pytest.raises(TypeError, match="cupy.asarray"):
+        flashcupy.flash_attn_func(q, q, q)
+
+
+def test_memory_is_linear_in_seqlen():
+    """A forward at seqlen 65536 allocates out and LSE only: nothing of size N x N."""
+    import cupy
+
+    import flashcupy
+
+    rng = np.random.default_rng(9)
+    shape = (1, 65536, 1, 64)
+    q, k, v = (randn(rng, shape, "bfloat16") for _ in range(3))
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    out, lse = flashcupy.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    cupy.cuda.Device().synchronize()
+    extra = pool.total_bytes() - before
+    assert extra <= out.nbytes + lse.nbytes + 4096, f"{extra} extra bytes for outputs of {out.nbytes + lse.nbytes}"
+    # spot-check the last rows against the reference (a full float64 reference would be N x N)
+    from flashcupy.reference import attention_ref
+
+    tail = slice(65536 - 64, 65536)
+    ref_out, _ = attention_ref(to_host64(q[:, tail]), to_host64(k), to_host64(v), causal=True)
+    assert rel_err(to_host64(out[:, tail]), ref_out) < REL_TOL["bfloat16"]
+    assert math.isfinite(float(lse.max()))

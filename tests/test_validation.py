@@ -1,0 +1,124 @@
+"""Argument checks, on the CPU: every bad input gets an error that names the argument."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from flashcupy.validation import ArraySpec, check_forward_inputs, check_softmax_scale
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def spec(shape, dtype=np.float16, strides=None, device=0):
+    if strides is None:
+        strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    return ArraySpec(tuple(shape), np.dtype(dtype), tuple(strides), device)
+
+
+def good(**kw):
+    q = spec((2, 100, 8, 64), **kw)
+    kv = spec((2, 77, 8, 64), **kw)
+    return q, kv, kv
+
+
+def test_valid_inputs_pass():
+    check_forward_inputs(*good(), None)
+    check_forward_inputs(*good(dtype=BF16), 0.125)
+    q = spec((2, 100, 8, 128))
+    kv = spec((2, 50, 2, 128))  # GQA
+    check_forward_inputs(q, kv, kv, None)
+
+
+def test_spec_of_numpy_array_uses_element_strides():
+    a = np.zeros((2, 3, 4, 64), np.float16)[:, :, 1:3]
+    s = ArraySpec.of(a, device=0)
+    assert s.shape == (2, 3, 2, 64) and s.strides == (768, 256, 64, 1)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_wrong_rank_names_argument(which):
+    q, k, v = good()
+    bad = spec((2, 100, 64))
+    args = {"q": q, "k": k, "v": v, which: bad}
+    with pytest.raises(ValueError, match=rf"^{which} must have 4 dimensions"):
+        check_forward_inputs(args["q"], args["k"], args["v"], None)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int8])
+def test_unsupported_dtype(dtype):
+    q, k, v = good()
+    with pytest.raises(TypeError, match=r"q has dtype .* float16 and bfloat16"):
+        check_forward_inputs(spec(q.shape, dtype), k, v, None)
+
+
+def test_mixed_dtypes():
+    q, k, v = good()
+    with pytest.raises(TypeError, match="one dtype"):
+        check_forward_inputs(q, spec(k.shape, BF16), v, None)
+
+
+def test_mismatched_shapes():
+    q, k, v = good()
+    with pytest.raises(ValueError, match="k has batch size 3"):
+        check_forward_inputs(q, spec((3, 77, 8, 64)), v, None)
+    with pytest.raises(ValueError, match="v has head dim 128"):
+        check_forward_inputs(q, k, spec((2, 77, 8, 128)), None)
+    with pytest.raises(ValueError, match="same seqlen"):
+        check_forward_inputs(q, k, spec((2, 78, 8, 64)), None)
+    with pytest.raises(ValueError, match=r"heads in k/v \(3\) must divide"):
+        kv = spec((2, 77, 3, 64))
+        check_forward_inputs(q, kv, kv, None)
+
+
+def test_unsupported_head_dim_lists_supported():
+    q = spec((1, 10, 2, 80))
+    with pytest.raises(ValueError, match=r"head dim 80 is not supported; supported head dims: 32, 64, 96, 128, 192, 256"):
+        check_forward_inputs(q, q, q, None)
+
+
+def test_noncontiguous_last_dim():
+    q, k, v = good()
+    bad = spec(q.shape, strides=(100 * 8 * 128, 8 * 128, 128, 2))
+    with pytest.raises(ValueError, match="q must be contiguous in its last dimension"):
+        check_forward_inputs(bad, k, v, None)
+
+
+def test_unaligned_strides():
+    q, k, v = good()
+    bad = spec(k.shape, strides=(77 * 8 * 65, 8 * 65, 65, 1))
+    with pytest.raises(ValueError, match="k strides .* multiples of 8"):
+        check_forward_inputs(q, bad, v, None)
+
+
+def test_different_devices():
+    q, k, v = good()
+    with pytest.raises(ValueError, match="one device"):
+        check_forward_inputs(q, k, spec(v.shape, device=1), None)
+
+
+@pytest.mark.parametrize("scale", [0, -1.0, float("nan"), float("inf")])
+def test_bad_softmax_scale(scale):
+    with pytest.raises(ValueError, match="softmax_scale must be a positive"):
+        check_softmax_scale(scale)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        check_forward_inputs(*good(), scale)
+
+
+def test_softmax_scale_type():
+    with pytest.raises(TypeError, match="softmax_scale"):
+        check_softmax_scale("big")
+
+
+def test_host_arrays_refused_before_any_gpu_work():
+    import flashcupy
+
+    q = np.ones((1, 4, 1, 64), np.float16)
+    with pytest.raises(TypeError, match=r"q is a NumPy \(host\) array.*cupy.asarray\(q\)"):
+        flashcupy.flash_attn_func(q, q, q)
+
+
+def test_unknown_object_refused():
+    import flashcupy
+
+    with pytest.raises(TypeError, match="q must be a CuPy array"):
+        flashcupy.flash_attn_func([[1.0]], None, None)
