@@ -20,6 +20,7 @@
 #include "tile.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
+#include "grid.cuh"
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool Is_causal_, bool Is_bf16_>
 struct FwdTraits {
@@ -37,26 +38,6 @@ struct FwdTraits {
     static_assert(kBlockM % (16 * kNWarps) == 0, "each warp needs whole 16-row tiles");
     static_assert(kBlockN % 16 == 0, "key block must be a multiple of 16");
 };
-
-// Which (q block, head, batch) the thread block with linear index `block` owns (a 1-D grid of
-// num_m_blocks * nheads * batch blocks). Without causal, q blocks of one head are adjacent, so
-// the blocks that run together stream the same K, V through L2. With causal, work per q block
-// grows with its index, so the heaviest q block of every head goes first and the light ones fill
-// the tail. flashcupy/launch.py mirrors this for its tests.
-template <bool Is_causal>
-FC_DEVICE void block_coords(int block, int num_m_blocks, int nheads, int& m_block, int& head, int& batch) {
-    if (Is_causal) {
-        const int heads_total = gridDim.x / num_m_blocks;  // nheads * batch
-        const int hb = block % heads_total;
-        m_block = num_m_blocks - 1 - block / heads_total;
-        head = hb % nheads;
-        batch = hb / nheads;
-    } else {
-        m_block = block % num_m_blocks;
-        head = (block / num_m_blocks) % nheads;
-        batch = block / num_m_blocks / nheads;
-    }
-}
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool Is_causal, bool Is_bf16>
 __global__ void __launch_bounds__(kNWarps * 32)
@@ -78,7 +59,7 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
     u16* sV = sK + kBlockN * T::kPitch;
 
     int m_block, head, batch;
-    block_coords<Is_causal>(blockIdx.x, (seqlen_q + kBlockM - 1) / kBlockM, nheads, m_block, head, batch);
+    block_coords<Is_causal, Is_causal>(blockIdx.x, (seqlen_q + kBlockM - 1) / kBlockM, nheads, m_block, head, batch);
     const int kv_head = head / heads_per_kv_head;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int row0 = m_block * kBlockM;
@@ -167,12 +148,7 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
         for (int ks = 0; ks < kBlockN / 16; ++ks) {
             u32 p[T::kMTiles][4];
 #pragma unroll
-            for (int mt = 0; mt < T::kMTiles; ++mt) {
-                p[mt][0] = pack_f32x2<Is_bf16>(acc_s[mt][2 * ks][0], acc_s[mt][2 * ks][1]);
-                p[mt][1] = pack_f32x2<Is_bf16>(acc_s[mt][2 * ks][2], acc_s[mt][2 * ks][3]);
-                p[mt][2] = pack_f32x2<Is_bf16>(acc_s[mt][2 * ks + 1][0], acc_s[mt][2 * ks + 1][1]);
-                p[mt][3] = pack_f32x2<Is_bf16>(acc_s[mt][2 * ks + 1][2], acc_s[mt][2 * ks + 1][3]);
-            }
+            for (int mt = 0; mt < T::kMTiles; ++mt) acc_to_a_frag<Is_bf16>(acc_s[mt][2 * ks], acc_s[mt][2 * ks + 1], p[mt]);
 #pragma unroll
             for (int dp = 0; dp < kHeadDim / 16; ++dp) {
                 u32 b[4];

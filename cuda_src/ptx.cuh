@@ -92,3 +92,41 @@ FC_DEVICE float fast_log2(float x) {
 }
 
 #define FC_INF __int_as_float(0x7f800000)
+
+// Two n8 accumulator tiles (columns k0..k0+7 and k0+8..k0+15 of a 16-row block) -> the A fragment
+// of an m16n8k16 mma whose k dimension is those 16 columns. The C and A layouts line up, so the
+// conversion is register-local (FA2: P stays in registers between its two matrix products).
+template <bool Is_bf16>
+FC_DEVICE void acc_to_a_frag(const float (&lo)[4], const float (&hi)[4], u32 (&a)[4]) {
+    a[0] = pack_f32x2<Is_bf16>(lo[0], lo[1]);
+    a[1] = pack_f32x2<Is_bf16>(lo[2], lo[3]);
+    a[2] = pack_f32x2<Is_bf16>(hi[0], hi[1]);
+    a[3] = pack_f32x2<Is_bf16>(hi[2], hi[3]);
+}
+
+// ---- global atomics and ordering (backward's dQ accumulation) ------------------------------------
+FC_DEVICE void red_add_f32(float* addr, float v) {
+    asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(v) : "memory");
+}
+// Two adjacent floats (8-byte aligned); one vector reduction on sm90 (PTX ISA 8.1), two scalar
+// ones before. (A 16-byte version fed by a lane shuffle measured slower on an H200.)
+FC_DEVICE void red_add_f32x2(float* addr, float v0, float v1) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(v0), "f"(v1) : "memory");
+#else
+    red_add_f32(addr, v0);
+    red_add_f32(addr + 1, v1);
+#endif
+}
+
+FC_DEVICE int ld_acquire(const int* addr) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(addr) : "memory");
+    return v;
+}
+FC_DEVICE void st_release(int* addr, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(addr), "r"(v) : "memory");
+}
+FC_DEVICE void cp_async_4(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}

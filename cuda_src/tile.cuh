@@ -1,4 +1,5 @@
-// Shared-memory tiles of (rows x kHeadDim) 16-bit elements, and their movement.
+// Shared-memory tiles of (rows x kCols) 16-bit elements, and their movement. kCols is the head dim
+// for Q, K, V, dO tiles and the q block for the backward's dS^T tile.
 //
 // Rows are padded by 8 elements (16 bytes): ldmatrix reads 8 rows at the same column, and with a
 // row pitch of (kHeadDim + 8) * 2 bytes those 8 rows fall in 8 different 16-byte bank groups,
@@ -6,10 +7,10 @@
 #pragma once
 #include "ptx.cuh"
 
-template <int kHeadDim>
+template <int kCols>
 struct SmemTile {
-    static constexpr int kPitch = kHeadDim + 8;  // elements per shared-memory row
-    static constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per row
+    static constexpr int kPitch = kCols + 8;        // elements per shared-memory row
+    static constexpr int kChunksPerRow = kCols / 8;  // 16-byte chunks per row
 };
 
 // Asynchronously copies a (kRows x kHeadDim) global tile into shared memory, 16 bytes per
@@ -90,20 +91,20 @@ FC_DEVICE void store_tile(u16* g_tile, i64 g_row_stride, const u16* s_tile, int 
 // Order A: matrices (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15),
 // (rows 8-15, cols 8-15) -- the A fragment of mma.m16n8k16, and with .trans the B fragments of two
 // n8 tiles when rows are the k dimension (V in O += P V).
-template <int kHeadDim>
+template <int kCols>
 FC_DEVICE u32 ldsm_lane_offset_a(int lane) {
-    return ((lane & 15) * SmemTile<kHeadDim>::kPitch + (lane >> 4) * 8) * 2;
+    return ((lane & 15) * SmemTile<kCols>::kPitch + (lane >> 4) * 8) * 2;
 }
 // Order B: (rows 0-7, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 0-7), (rows 8-15, cols 8-15)
 // -- with rows = keys and cols = head dim, the B fragments of two n8 tiles of S = Q K^T:
 // registers {0, 1} for keys 0-7 and {2, 3} for keys 8-15.
-template <int kHeadDim>
+template <int kCols>
 FC_DEVICE u32 ldsm_lane_offset_b(int lane) {
-    return (((lane & 7) + (lane >> 4) * 8) * SmemTile<kHeadDim>::kPitch + ((lane >> 3) & 1) * 8) * 2;
+    return (((lane & 7) + (lane >> 4) * 8) * SmemTile<kCols>::kPitch + ((lane >> 3) & 1) * 8) * 2;
 }
 
 // Byte offset of element (row, col) in a tile.
-template <int kHeadDim>
+template <int kCols>
 __host__ __device__ constexpr u32 tile_offset(int row, int col) {
-    return (row * SmemTile<kHeadDim>::kPitch + col) * 2;
+    return (row * SmemTile<kCols>::kPitch + col) * 2;
 }

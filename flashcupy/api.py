@@ -8,9 +8,11 @@ import numpy as np
 
 from . import build, configs, launch
 from .device import device_info
-from .validation import ArraySpec, check_forward_inputs, check_pointer_alignment, dtype_name
+from .validation import (ArraySpec, check_backward_inputs, check_forward_inputs, check_pointer_alignment,
+                         dtype_name)
 
 _DLPACK_CPU = 1
+LOG2E = math.log2(math.e)
 
 
 def as_device_array(x, name: str):
@@ -87,12 +89,135 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
                                           info.smem_per_block_optin)
             kernel = build.get_kernel(variant)
             plan = launch.plan_forward(variant, batch, nheads, seqlen_q)
-            qs, ks, vs, os_ = (ArraySpec.of(a).strides for a in (q, k, v, out))
             kernel(plan.grid, plan.block,
                    (q, k, v, out, lse,
                     np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_k),
-                    *(np.int64(s) for s in qs[:3]), *(np.int64(s) for s in ks[:3]),
-                    *(np.int64(s) for s in vs[:3]), *(np.int64(s) for s in os_[:3]),
-                    np.float32(scale), np.float32(scale * math.log2(math.e))),
+                    *_row_strides(q, k, v, out), np.float32(scale), np.float32(scale * LOG2E)),
                    shared_mem=plan.smem_bytes)
     return (out, lse) if return_lse else out
+
+
+def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False,
+                        deterministic=False, dq=None, dk=None, dv=None):
+    """Gradients of flash_attn_func's output with respect to q, k and v (FlashAttention-2 backward).
+
+    Arguments:
+        dout: gradient of the loss with respect to `out`, shape and dtype of q.
+        q, k, v, out, softmax_lse: the forward's inputs and results (`flash_attn_func(...,
+            return_lse=True)`); softmax_scale and causal as given to the forward.
+        deterministic: add the per-key-block contributions to dq in a fixed order, so two runs
+            give identical bits (slower; the default adds them with float32 atomics).
+        dq, dk, dv: optional output arrays (shape and dtype of q, k, v) written in place.
+
+    Returns:
+        (dq, dk, dv) in the dtypes and shapes of q, k, v. With fewer kv heads than query heads
+        (GQA/MQA), dk and dv are summed over the query heads of each group.
+
+    Extra device memory is O(seqlen): D = rowsum(dout * out) and a float32 dq accumulator (and,
+    under GQA, per-query-head dk, dv before the group sum). Runs on CuPy's current stream.
+    """
+    import cupy
+
+    dout, q, k, v, out, softmax_lse = (as_device_array(a, n) for a, n in (
+        (dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (softmax_lse, "softmax_lse")))
+    grads = {n: as_device_array(a, n) for n, a in (("dq", dq), ("dk", dk), ("dv", dv)) if a is not None}
+    check_backward_inputs(*(ArraySpec.of(a) for a in (dout, q, k, v, out, softmax_lse)), softmax_scale,
+                          {n: ArraySpec.of(a) for n, a in grads.items()})
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+    with q.device:
+        dq = grads.get("dq", None)
+        dk = grads.get("dk", None)
+        dv = grads.get("dv", None)
+        dq = cupy.empty(q.shape, q.dtype) if dq is None else dq
+        dk = cupy.empty(k.shape, k.dtype) if dk is None else dk
+        dv = cupy.empty(v.shape, v.dtype) if dv is None else dv
+        if dq.size == 0 or dk.size == 0:  # no query or no key: every gradient is zero
+            for g in (dq, dk, dv):
+                g.fill(0)
+            return dq, dk, dv
+        for name, a in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk),
+                        ("dv", dv)):
+            check_pointer_alignment(name, a.data.ptr)
+        info = device_info(q.device.id)
+        dtype = dtype_name(q.dtype)
+        variant = configs.bwd_variant(head_dim, dtype, causal, deterministic, info.capability,
+                                      info.smem_per_block_optin)
+        plans = launch.plan_backward(variant, batch, nheads, seqlen_q, seqlen_k)
+
+        # 1. D = rowsum(dO * O)
+        delta = cupy.empty((batch, nheads, seqlen_q), cupy.float32)
+        pre = configs.BwdHelperVariant("flash_bwd_preprocess_kernel", head_dim, dtype)
+        build.get_kernel(pre)(plans.preprocess.grid, plans.preprocess.block,
+                              (dout, out, delta, np.int32(seqlen_q), np.int32(nheads), np.int32(batch),
+                               *_row_strides(dout, out)))
+        # 2. dK, dV per key block; dQ into a float32 accumulator. Under GQA each query head writes
+        # its own dK, dV slice, summed over the group afterwards.
+        dq_accum = cupy.zeros((batch, seqlen_q, nheads, head_dim), cupy.float32)
+        semaphore = cupy.zeros(plans.semaphores if deterministic else 1, cupy.int32)
+        grouped = nheads != nheads_k
+        dk_heads = cupy.empty((batch, seqlen_k, nheads, head_dim), q.dtype) if grouped else dk
+        dv_heads = cupy.empty((batch, seqlen_k, nheads, head_dim), q.dtype) if grouped else dv
+        build.get_kernel(variant)(plans.main.grid, plans.main.block,
+                                  (q, k, v, dout, softmax_lse, delta, dq_accum, dk_heads, dv_heads, semaphore,
+                                   np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads),
+                                   np.int32(nheads // nheads_k),
+                                   *_row_strides(q, k, v, dout, dk_heads, dv_heads),
+                                   np.float32(scale), np.float32(scale * LOG2E)),
+                                  shared_mem=plans.main.smem_bytes)
+        # 3. dQ = dq_accum * softmax_scale, in the input dtype
+        conv = configs.BwdHelperVariant("flash_bwd_convert_dq_kernel", head_dim, dtype)
+        build.get_kernel(conv)(plans.convert_dq.grid, plans.convert_dq.block,
+                               (dq_accum, dq, np.int32(seqlen_q), np.int32(nheads), np.int32(batch),
+                                *_row_strides(dq), np.float32(scale)))
+        if grouped:
+            group = nheads // nheads_k
+            for g_heads, g in ((dk_heads, dk), (dv_heads, dv)):
+                summed = g_heads.astype(cupy.float32).reshape(batch, seqlen_k, nheads_k, group, head_dim).sum(axis=3)
+                g[...] = summed.astype(q.dtype)
+    return dq, dk, dv
+
+
+class FlashAttention:
+    """Forward and backward of attention for pipelines without an autograd engine.
+
+    `forward(q, k, v)` returns the output and keeps what the backward needs (q, k, v, out and the
+    LSE: O(seqlen) memory, never the attention matrix); `backward(dout)` returns (dq, dk, dv).
+
+        attn = FlashAttention(causal=True)
+        out = attn.forward(q, k, v)
+        dq, dk, dv = attn.backward(dout)
+    """
+
+    def __init__(self, softmax_scale=None, causal=False, deterministic=False):
+        from .validation import check_softmax_scale
+
+        check_softmax_scale(softmax_scale)
+        self.softmax_scale = softmax_scale
+        self.causal = causal
+        self.deterministic = deterministic
+        self.saved = None  # (q, k, v, out, softmax_lse) of the last forward
+
+    def forward(self, q, k, v):
+        q, k, v = (as_device_array(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
+        out, lse = flash_attn_func(q, k, v, softmax_scale=self.softmax_scale, causal=self.causal, return_lse=True)
+        self.saved = (q, k, v, out, lse)
+        return out
+
+    def backward(self, dout, dq=None, dk=None, dv=None):
+        if self.saved is None:
+            raise RuntimeError("FlashAttention.backward needs a forward first (or the saved arrays were released)")
+        q, k, v, out, lse = self.saved
+        return flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=self.softmax_scale, causal=self.causal,
+                                   deterministic=self.deterministic, dq=dq, dk=dk, dv=dv)
+
+    def release(self):
+        """Drop the arrays kept for the backward."""
+        self.saved = None
+
+
+def _row_strides(*arrays):
+    """(batch, seqlen, head) element strides of each array, as the kernels take them."""
+    return [np.int64(s) for a in arrays for s in ArraySpec.of(a).strides[:3]]

@@ -82,6 +82,58 @@ class FwdVariant:
                 f"tile={t.block_m}x{t.block_n} warps={t.num_warps}")
 
 
+@dataclass(frozen=True)
+class BwdTile:
+    """Tile shape of the backward kernel for one head dim (cuda_src/bwd.cu, BwdTraits)."""
+
+    block_m: int  # query rows per inner-loop step
+    block_n: int  # keys per thread block; each warp owns 16 keys of it
+    num_warps: int
+    stages: int  # 2: the next Q, dO block is prefetched during this one
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+
+# Backward tiles by head dim. Warps past block_n / 16 split the head dim of dK, dV (192, 256).
+_BWD_TILES_SM80 = {
+    32: BwdTile(128, 128, 8, 2),
+    64: BwdTile(64, 128, 8, 2),
+    96: BwdTile(64, 128, 8, 2),
+    128: BwdTile(64, 128, 8, 2),
+    192: BwdTile(64, 64, 8, 1),
+    256: BwdTile(64, 64, 8, 1),
+}
+_BWD_TILES_SMALL_SMEM = {
+    32: BwdTile(64, 128, 8, 2),
+    64: BwdTile(64, 128, 8, 2),
+    96: BwdTile(64, 64, 4, 1),
+    128: BwdTile(64, 64, 4, 1),
+    192: BwdTile(32, 64, 8, 1),
+    256: BwdTile(32, 32, 4, 1),
+}
+
+
+def bwd_smem_bytes(head_dim: int, tile: BwdTile) -> int:
+    """Dynamic shared memory of the backward kernel: K, V, `stages` x (Q, dO, LSE, D), dS^T (bwd.cu)."""
+    pitch = (head_dim + SMEM_ROW_PAD) * BYTES_PER_ELEMENT
+    kv = 2 * tile.block_n * pitch
+    q_do = 2 * tile.stages * tile.block_m * pitch
+    ds = tile.block_n * (tile.block_m + SMEM_ROW_PAD) * BYTES_PER_ELEMENT
+    stats = 2 * tile.stages * tile.block_m * 4
+    return kv + q_do + ds + stats
+
+
+def bwd_tile(head_dim: int, capability: int, smem_optin: int | None = None) -> BwdTile:
+    fwd_tile(head_dim, capability, smem_optin)  # same head-dim and capability checks
+    limit = smem_optin if smem_optin is not None else smem_limit(capability)
+    tile = _BWD_TILES_SM80[head_dim]
+    if bwd_smem_bytes(head_dim, tile) > limit:
+        tile = _BWD_TILES_SMALL_SMEM[head_dim]
+    return tile
+
+
 def fwd_tile(head_dim: int, capability: int, smem_optin: int | None = None) -> FwdTile:
     """Tile for a forward of this head dim on a device of this compute capability (e.g. 90)."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
@@ -106,6 +158,70 @@ def smem_limit(capability: int) -> int:
 def fwd_variant(head_dim: int, dtype: str, causal: bool, capability: int,
                 smem_optin: int | None = None) -> FwdVariant:
     return FwdVariant(head_dim, fwd_tile(head_dim, capability, smem_optin), bool(causal), dtype)
+
+
+@dataclass(frozen=True)
+class BwdVariant:
+    """One compiled instance of the backward's main kernel."""
+
+    head_dim: int
+    tile: BwdTile
+    causal: bool
+    dtype: str
+    deterministic: bool
+
+    source = "bwd.cu"
+
+    @property
+    def name_expression(self) -> str:
+        t = self.tile
+        return (f"flash_bwd_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}, {t.stages}, "
+                f"{str(self.causal).lower()}, {str(self.dtype == 'bfloat16').lower()}, "
+                f"{str(self.deterministic).lower()}>")
+
+    @property
+    def smem_bytes(self) -> int:
+        return bwd_smem_bytes(self.head_dim, self.tile)
+
+    def __str__(self) -> str:
+        t = self.tile
+        return (f"bwd d={self.head_dim} {self.dtype} causal={self.causal} deterministic={self.deterministic} "
+                f"tile={t.block_m}x{t.block_n} warps={t.num_warps} stages={t.stages}")
+
+
+@dataclass(frozen=True)
+class BwdHelperVariant:
+    """The backward's preprocess (D = rowsum(dO * O)) or dQ-convert kernel for one head dim, dtype."""
+
+    kernel: str  # "flash_bwd_preprocess_kernel" or "flash_bwd_convert_dq_kernel"
+    head_dim: int
+    dtype: str
+
+    source = "bwd.cu"
+    smem_bytes = 0
+
+    @property
+    def name_expression(self) -> str:
+        return f"{self.kernel}<{self.head_dim}, {str(self.dtype == 'bfloat16').lower()}>"
+
+    def __str__(self) -> str:
+        return f"{self.kernel.replace('flash_bwd_', '').replace('_kernel', '')} d={self.head_dim} {self.dtype}"
+
+
+def bwd_variant(head_dim: int, dtype: str, causal: bool, deterministic: bool, capability: int,
+                smem_optin: int | None = None) -> BwdVariant:
+    return BwdVariant(head_dim, bwd_tile(head_dim, capability, smem_optin), bool(causal), dtype,
+                      bool(deterministic))
+
+
+def all_bwd_variants(capability: int) -> list:
+    """Every backward kernel (main, preprocess, dQ convert) the dispatcher can pick."""
+    mains = [bwd_variant(d, dt, c, det, capability) for d in SUPPORTED_HEAD_DIMS for dt in DTYPE_NAMES
+             for c in (False, True) for det in (False, True)]
+    helpers = [BwdHelperVariant(kernel, d, dt) for kernel in ("flash_bwd_preprocess_kernel",
+                                                              "flash_bwd_convert_dq_kernel")
+               for d in SUPPORTED_HEAD_DIMS for dt in DTYPE_NAMES]
+    return mains + helpers
 
 
 def all_fwd_variants(capability: int) -> list[FwdVariant]:

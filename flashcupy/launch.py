@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .configs import FwdVariant
+from .configs import BwdVariant, FwdVariant
 
 
 @dataclass(frozen=True)
@@ -25,12 +25,44 @@ def plan_forward(variant: FwdVariant, batch: int, nheads: int, seqlen_q: int) ->
     return LaunchPlan((num_blocks, 1, 1), (tile.threads, 1, 1), variant.smem_bytes)
 
 
-def block_coords(block: int, num_blocks: int, num_m_blocks: int, nheads: int, causal: bool) -> tuple:
-    """(m_block, head, batch) of thread block `block`, as block_coords in cuda_src/fwd.cu decodes it:
-    without causal q blocks of one head are adjacent (shared K/V in L2); with causal the heaviest q
-    block of every head is launched first, so light blocks fill the tail."""
-    if causal:
-        heads_total = num_blocks // num_m_blocks
-        hb = block % heads_total
-        return num_m_blocks - 1 - block // heads_total, hb % nheads, hb // nheads
-    return block % num_m_blocks, (block // num_m_blocks) % nheads, block // num_m_blocks // nheads
+@dataclass(frozen=True)
+class BackwardPlans:
+    preprocess: LaunchPlan  # D = rowsum(dO * O): 16 rows per 128-thread block
+    main: LaunchPlan        # one block per (key block, head, batch)
+    convert_dq: LaunchPlan  # 8 elements per thread
+    semaphores: tuple       # shape of the deterministic mode's dq semaphores: (batch, nheads, q blocks)
+
+
+PREPROCESS_ROWS_PER_BLOCK = 16
+CONVERT_THREADS = 256
+
+
+def plan_backward(variant: BwdVariant, batch: int, nheads: int, seqlen_q: int, seqlen_k: int) -> BackwardPlans:
+    tile = variant.tile
+    num_n_blocks = -(-seqlen_k // tile.block_n)
+    num_blocks = num_n_blocks * nheads * batch
+    rows = batch * nheads * seqlen_q
+    chunks = batch * seqlen_q * nheads * variant.head_dim // 8
+    if max(num_blocks, -(-rows // PREPROCESS_ROWS_PER_BLOCK), -(-chunks // CONVERT_THREADS)) >= 2**31:
+        raise ValueError("the problem needs more than 2**31 - 1 thread blocks; split the batch")
+    return BackwardPlans(
+        preprocess=LaunchPlan((-(-rows // PREPROCESS_ROWS_PER_BLOCK), 1, 1), (128, 1, 1), 0),
+        main=LaunchPlan((num_blocks, 1, 1), (tile.threads, 1, 1), variant.smem_bytes),
+        convert_dq=LaunchPlan((-(-chunks // CONVERT_THREADS), 1, 1), (CONVERT_THREADS, 1, 1), 0),
+        semaphores=(batch, nheads, -(-seqlen_q // tile.block_m)),
+    )
+
+
+def block_coords(block: int, num_blocks: int, num_tiles: int, nheads: int, tiles_outer: bool,
+                 reverse_tiles: bool) -> tuple:
+    """(tile, head, batch) of thread block `block`, decoded as block_coords in cuda_src/grid.cuh:
+    with tiles_outer every head's tile 0 comes first (causal: heaviest first, reversed when the
+    heaviest tile is the last); otherwise the tiles of one head are adjacent (shared K/V in L2)."""
+    if tiles_outer:
+        heads_total = num_blocks // num_tiles
+        tile, hb = block // heads_total, block % heads_total
+    else:
+        tile, hb = block % num_tiles, block // num_tiles
+    if reverse_tiles:
+        tile = num_tiles - 1 - tile
+    return tile, hb % nheads, hb // nheads

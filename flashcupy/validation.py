@@ -80,13 +80,7 @@ def check_forward_inputs(q: ArraySpec, k: ArraySpec, v: ArraySpec, softmax_scale
         raise ValueError(f"head dim {head_dim} is not supported; supported head dims: "
                          f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
     for name, a in (("q", q), ("k", k), ("v", v)):
-        if a.strides[3] != 1 and a.shape[3] > 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension (headdim); got element "
-                             f"strides {a.strides}. Make it so with cupy.ascontiguousarray({name}).")
-        # 16-byte vector loads need every row start aligned to 8 elements
-        if any(s % 8 for s, n in zip(a.strides[:3], a.shape[:3]) if n > 1):
-            raise ValueError(f"{name} strides {a.strides} (in elements) must be multiples of 8 for the "
-                             "batch, seqlen and head dimensions; copy it with cupy.ascontiguousarray")
+        _check_row_layout(name, a)
     check_softmax_scale(softmax_scale)
 
 
@@ -105,3 +99,50 @@ def check_pointer_alignment(name: str, ptr: int) -> None:
     if ptr % 16:
         raise ValueError(f"{name} data must be 16-byte aligned for vector loads; got address {ptr:#x}. "
                          f"Copy it with cupy.ascontiguousarray({name}).")
+
+
+def check_backward_inputs(dout: ArraySpec, q: ArraySpec, k: ArraySpec, v: ArraySpec, out: ArraySpec,
+                          softmax_lse: ArraySpec, softmax_scale, grads: dict) -> None:
+    """Validate the backward's arguments against q, k, v; `grads` maps "dq"/"dk"/"dv" to the
+    ArraySpec of a caller-provided output (or None)."""
+    check_forward_inputs(q, k, v, softmax_scale)
+    for name, a in (("dout", dout), ("out", out)):
+        if a.shape != q.shape:
+            raise ValueError(f"{name} must have the shape of q {q.shape}; got {a.shape}")
+        if a.dtype != q.dtype:
+            raise TypeError(f"{name} must have the dtype of q ({q.dtype}); got {a.dtype}")
+        if a.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}); got {a.device}")
+        _check_row_layout(name, a)
+    batch, seqlen_q, nheads, _ = q.shape
+    if softmax_lse.shape != (batch, nheads, seqlen_q):
+        raise ValueError(f"softmax_lse must have shape (batch, nheads, seqlen_q) = {(batch, nheads, seqlen_q)}; "
+                         f"got {softmax_lse.shape}")
+    if softmax_lse.dtype != np.float32:
+        raise TypeError(f"softmax_lse must be float32 (as the forward returns it); got {softmax_lse.dtype}")
+    expected_strides = (nheads * seqlen_q, seqlen_q, 1)
+    if any(s != e for s, e, n in zip(softmax_lse.strides, expected_strides, softmax_lse.shape) if n > 1):
+        raise ValueError("softmax_lse must be C-contiguous (as the forward returns it); "
+                         "copy it with cupy.ascontiguousarray(softmax_lse)")
+    if softmax_lse.device != q.device:
+        raise ValueError(f"softmax_lse must be on q's device ({q.device}); got {softmax_lse.device}")
+    for name, ref in (("dq", q), ("dk", k), ("dv", v)):
+        a = grads.get(name)
+        if a is None:
+            continue
+        if a.shape != ref.shape or a.dtype != ref.dtype:
+            raise ValueError(f"{name} must have the shape and dtype of {name[1:]} ({ref.shape}, {ref.dtype}); "
+                             f"got {a.shape}, {a.dtype}")
+        if a.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}); got {a.device}")
+        _check_row_layout(name, a)
+
+
+def _check_row_layout(name: str, a: ArraySpec) -> None:
+    if a.strides[3] != 1 and a.shape[3] > 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (headdim); got element strides "
+                         f"{a.strides}. Make it so with cupy.ascontiguousarray({name}).")
+    # 16-byte vector accesses need every row start aligned to 8 elements
+    if any(s % 8 for s, n in zip(a.strides[:3], a.shape[:3]) if n > 1):
+        raise ValueError(f"{name} strides {a.strides} (in elements) must be multiples of 8 for the batch, "
+                         f"seqlen and head dimensions; copy it with cupy.ascontiguousarray({name})")

@@ -47,7 +47,7 @@ def test_planner_covers_every_query_row_once(capability, seqlen_q):
         num_m = -(-seqlen_q // v.tile.block_m)
         covered = []
         for x in range(plan.grid[0]):
-            m, h, b = launch.block_coords(x, plan.grid[0], num_m, nheads, v.causal)
+            m, h, b = launch.block_coords(x, plan.grid[0], num_m, nheads, v.causal, v.causal)
             assert 0 <= m < num_m and 0 <= h < nheads and 0 <= b < batch
             row0 = m * v.tile.block_m
             covered += [(b, h, r) for r in range(row0, min(row0 + v.tile.block_m, seqlen_q))]
@@ -58,7 +58,7 @@ def test_causal_launch_order_is_heaviest_first():
     v = configs.fwd_variant(64, "float16", True, 90)
     plan = launch.plan_forward(v, batch=2, nheads=3, seqlen_q=1000)
     num_m = -(-1000 // v.tile.block_m)
-    order = [launch.block_coords(x, plan.grid[0], num_m, 3, True)[0] for x in range(plan.grid[0])]
+    order = [launch.block_coords(x, plan.grid[0], num_m, 3, True, True)[0] for x in range(plan.grid[0])]
     assert order == sorted(order, reverse=True) and order[0] == num_m - 1
 
 

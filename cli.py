@@ -1,0 +1,361 @@
+"""Command line of flashcupy: `flashcupy bench | check | info`.
+
+Every command that needs a GPU checks for one first and, without one, says so in one line on
+stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+import numpy as np
+
+import flashcupy
+from flashcupy import bench, build, configs, device
+
+NO_GPU_EXIT = 2
+
+# check: ||out - ref||_F / ||ref||_F bounds by dtype, forward and gradients, and the LSE bound
+# (absolute, natural log): the LSE comes from float32 sums of exactly rounded inputs.
+FWD_TOL = {"bfloat16": 2e-2, "float16": 5e-3}
+BWD_TOL = {"bfloat16": 5e-2, "float16": 1e-2}
+LSE_TOL = 2e-3
+CHECK_SEQLENS = ((257, 300), (300, 257), (512, 512))  # ragged both ways, then equal (q, k)
+CHECK_BATCH, CHECK_NHEADS = 2, 3
+
+
+# ----------------------------------------------------------------------------------------------
+# Option parsing
+# ----------------------------------------------------------------------------------------------
+
+
+def _items(values) -> list[str]:
+    """Items of an option given as comma lists, repeated, or both."""
+    return [item.strip() for value in values for item in str(value).split(",") if item.strip()]
+
+
+def _nonempty(items, param):
+    if not items:
+        raise click.BadParameter("give at least one value", param=param)
+    return items
+
+
+def _parse_seqlens(ctx, param, values):
+    seqlens = []
+    for item in _nonempty(_items(values), param):
+        try:
+            seqlens.append(bench.parse_seqlen(item))
+        except ValueError as exc:
+            raise click.BadParameter(f"{exc}; sequence lengths are positive integers, e.g. 512,1k,2k",
+                                     param=param) from None
+    return tuple(dict.fromkeys(seqlens))
+
+
+def _parse_head_dims(ctx, param, values):
+    supported = ", ".join(map(str, configs.SUPPORTED_HEAD_DIMS))
+    dims = []
+    for item in _nonempty(_items(values), param):
+        if not item.isdigit() or int(item) not in configs.SUPPORTED_HEAD_DIMS:
+            raise click.BadParameter(f"head dim {item!r} is not supported; choose from {supported}", param=param)
+        dims.append(int(item))
+    return tuple(dict.fromkeys(dims))
+
+
+def _choices(allowed):
+    """Callback for a comma list whose items must come from `allowed`."""
+    def parse(ctx, param, values):
+        items = _nonempty(_items(values), param)
+        for item in items:
+            if item not in allowed:
+                raise click.BadParameter(f"{item!r} is not one of {', '.join(allowed)}", param=param)
+        return tuple(dict.fromkeys(items))
+    return parse
+
+
+def _parse_peers(ctx, param, values):
+    peers = _choices(bench.PEERS + ("none",))(ctx, param, values)
+    if "none" in peers:
+        if len(peers) > 1:
+            raise click.BadParameter("'none' cannot be combined with other peers", param=param)
+        return ()
+    return peers
+
+
+_CAUSAL = {"off": (False,), "on": (True,), "both": (False, True)}
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU presence
+# ----------------------------------------------------------------------------------------------
+
+
+def _no_gpu_reason() -> str:
+    try:
+        import cupy
+    except ImportError as exc:
+        return f"CuPy is not installed ({exc}); pip install 'flashcupy[cuda12]'"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDARuntimeError: no driver, or a driver too old for CuPy's runtime
+        return str(exc)
+    return "CUDA sees no device" if count == 0 else "the CUDA device is not usable"
+
+
+def _require_gpu(ctx):
+    """DeviceInfo of the current device, or one line on stderr and exit status 2."""
+    try:
+        if device.gpu_available():
+            return device.device_info()
+        reason = _no_gpu_reason()
+    except device.NoGPUError as exc:
+        reason = str(exc)
+    except Exception as exc:  # CuPy's CUDA runtime and driver errors
+        reason = f"{type(exc).__name__}: {exc}"
+    click.echo(f"flashcupy: no CUDA GPU available ({' '.join(reason.split())})", err=True)
+    ctx.exit(NO_GPU_EXIT)
+
+
+def _capability(info) -> str:
+    return f"{info.capability // 10}.{info.capability % 10}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Commands
+# ----------------------------------------------------------------------------------------------
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(flashcupy.__version__, prog_name="flashcupy")
+def main():
+    """flashcupy: FlashAttention-2 for CuPy arrays, kernels compiled at run time by NVRTC."""
+
+
+@main.command("bench")
+@click.option("--seqlens", multiple=True, default=("512,1k,2k,4k,8k,16k",), show_default=True,
+              callback=_parse_seqlens, help="Sequence lengths, comma list; 1k = 1024.")
+@click.option("--head-dims", multiple=True, default=("64,128",), show_default=True, callback=_parse_head_dims,
+              help="Head dims, comma list; nheads = hidden // head dim.")
+@click.option("--causal", type=click.Choice(sorted(_CAUSAL)), default="both", show_default=True,
+              help="Causal mask off, on, or both.")
+@click.option("--dtype", "dtypes", multiple=True, default=("bf16",), show_default=True,
+              callback=_choices(tuple(bench.DTYPES)), help="bf16 and/or fp16; repeat or comma list.")
+@click.option("--mode", "modes", multiple=True, default=("fwd",), show_default=True,
+              callback=_choices(bench.MODES), help="fwd, bwd, fwdbwd; comma list.")
+@click.option("--total-tokens", type=click.IntRange(min=1), default=bench.DEFAULT_TOTAL_TOKENS,
+              show_default=True, help="batch = total tokens // seqlen (at least 1).")
+@click.option("--hidden", type=click.IntRange(min=1), default=bench.DEFAULT_HIDDEN, show_default=True,
+              help="Model width; a multiple of every head dim.")
+@click.option("--peers", multiple=True, default=(",".join(bench.DEFAULT_PEERS),), show_default=True,
+              callback=_parse_peers, help=f"Peers, comma list from {', '.join(bench.PEERS)}, or none.")
+@click.option("--repeats", type=click.IntRange(min=1), default=bench.DEFAULT_REPEATS, show_default=True,
+              help="Timed calls per case; the median is reported.")
+@click.option("--warmup", type=click.IntRange(min=0), default=bench.DEFAULT_WARMUP, show_default=True,
+              help="Untimed calls after the first one.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Draw TFLOP/s vs seqlen to this image (e.g. bench.png); needs matplotlib.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar and no table (use with --json).")
+@click.pass_context
+def bench_command(ctx, seqlens, head_dims, causal, dtypes, modes, total_tokens, hidden, peers, repeats,
+                  warmup, json_path, plot_path, quiet):
+    """Time flashcupy against its peers over the FA2 paper's sweep."""
+    for d in head_dims:
+        if hidden % d:
+            raise click.BadParameter(f"{hidden} is not a multiple of head dim {d}; e.g. --hidden 2048",
+                                     ctx=ctx, param_hint="'--hidden'")
+    _require_gpu(ctx)
+    if plot_path:  # fail now rather than after the sweep
+        try:
+            bench.require_matplotlib()
+        except bench.MissingDependencyError as exc:
+            raise click.ClickException(str(exc)) from None
+
+    torch_peers = [p for p in peers if p in bench.TORCH_PEERS]
+    if torch_peers:
+        reason = bench.torch_unavailable_reason()
+        if reason:
+            click.echo(f"flashcupy: torch peers skipped ({', '.join(torch_peers)}): {reason}", err=True)
+            peers = tuple(p for p in peers if p not in bench.TORCH_PEERS)
+    impls = ("flashcupy",) + peers
+
+    shapes = bench.sweep_shapes(seqlens, head_dims, _CAUSAL[causal], dtypes, modes, total_tokens, hidden)
+    metadata = bench.collect_metadata()
+    if not quiet:
+        click.echo(f"{metadata['device']} (sm {metadata['compute_capability']}), CUDA driver "
+                   f"{metadata['cuda_driver_version']}, CuPy {metadata['cupy_version']}, NVRTC "
+                   f"{metadata['nvrtc_version']}, torch {metadata['torch_version'] or '-'}, "
+                   f"commit {metadata['git_commit'] or '-'}")
+    if quiet:
+        records = bench.run_sweep(shapes, impls, repeats, warmup)
+    else:
+        with click.progressbar(shapes, label="bench", file=sys.stderr,
+                               item_show_func=lambda s: str(s) if s else None) as bar:
+            records = bench.run_sweep(bar, impls, repeats, warmup)
+        click.echo(bench.format_table(records))
+
+    config = {"seqlens": list(seqlens), "head_dims": list(head_dims), "causal": list(_CAUSAL[causal]),
+              "dtypes": list(dtypes), "modes": list(modes), "total_tokens": total_tokens, "hidden": hidden,
+              "impls": list(impls), "repeats": repeats, "warmup": warmup}
+    document = bench.results_document(records, metadata, config)
+    if json_path:
+        bench.write_json(document, json_path)
+        if not quiet:
+            click.echo(f"wrote {json_path}", err=True)
+    if plot_path:
+        bench.plot_results(document, plot_path)
+        if not quiet:
+            click.echo(f"wrote {plot_path}", err=True)
+
+
+def kernel_cache_dir() -> Path:
+    """Where CuPy keeps compiled kernels on disk."""
+    return Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
+
+
+@main.command("info")
+@click.pass_context
+def info_command(ctx):
+    """The GPU, the software stack and the kernel each head dim takes here."""
+    info = _require_gpu(ctx)
+    versions = bench.software_versions()
+    cache = kernel_cache_dir()
+    cached = f"{sum(1 for _ in cache.iterdir())} files" if cache.is_dir() else "empty"
+    rows = [
+        ("GPU", f"{info.name} (device {info.id})"),
+        ("compute capability", _capability(info)),
+        ("SMs", info.sm_count),
+        ("shared memory/block", f"{info.smem_per_block_optin // 1024} KiB (opt-in)"),
+        ("device memory", bench.format_bytes(info.total_memory)),
+        ("CUDA driver", versions["cuda_driver"]),
+        ("CUDA runtime (CuPy)", versions["cuda_runtime"]),
+        ("CuPy", versions["cupy"]),
+        ("NVRTC", versions["nvrtc"]),
+        ("flashcupy", flashcupy.__version__),
+        ("kernel cache", f"{cache} ({cached})"),
+    ]
+    for key, value in rows:
+        click.echo(f"{key + ':':<22}{value if value is not None else 'unknown'}")
+
+    click.echo("forward kernels the dispatcher picks here:")
+    try:
+        variants = configs.all_fwd_variants(info.capability)
+    except ValueError as exc:  # e.g. a GPU older than sm_80
+        click.echo(f"  none: {exc}")
+        variants = []
+    for variant in variants:
+        click.echo(f"  {variant}")
+    compiled = build.compiled_variants()
+    click.echo("compiled in this process: " + (", ".join(f"{v} (device {d})" for d, v in compiled)
+                                               if compiled else "none"))
+
+
+@main.command("check")
+@click.option("--head-dims", multiple=True, default=(",".join(map(str, configs.SUPPORTED_HEAD_DIMS)),),
+              show_default=True, callback=_parse_head_dims, help="Head dims to check, comma list.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.pass_context
+def check_command(ctx, head_dims, seed):
+    """Check every kernel variant the dispatcher can pick here against the float64 reference.
+
+    Pass: ||out - ref|| / ||ref|| under 2e-2 (bf16) or 5e-3 (fp16), LSE within 2e-3, and
+    no NaN or inf where the reference is finite. Exit status 1 on any failure.
+    """
+    info = _require_gpu(ctx)
+    try:
+        variants = [v for v in configs.all_fwd_variants(info.capability) if v.head_dim in head_dims]
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    backward = getattr(flashcupy, "flash_attn_backward", None)
+    rng = np.random.default_rng(seed)
+
+    click.echo(f"{info.name} (sm {_capability(info)}), batch {CHECK_BATCH}, {CHECK_NHEADS} heads")
+    click.echo(f"{'case':<62} {'q x k':>9} {'rel err':>9} {'max abs':>9} {'lse err':>9}  result")
+    failures = total = 0
+    for variant in variants:
+        for seqlen_q, seqlen_k in CHECK_SEQLENS:
+            cases = [("fwd", _check_forward)] + ([("bwd", _check_backward)] if backward else [])
+            for direction, run_case in cases:
+                total += 1
+                try:
+                    rel, max_abs, lse_err, ok = run_case(variant, seqlen_q, seqlen_k, rng)
+                    cells = f"{rel:>9.2e} {max_abs:>9.2e} {lse_err:>9}"
+                except Exception as exc:  # a failed compile or launch is a failed case, not the end
+                    ok, cells = False, f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
+                failures += not ok
+                name = (str(variant) if direction == "fwd" else
+                        f"bwd d={variant.head_dim} {variant.dtype} causal={variant.causal}")
+                click.echo(f"{name:<62} {f'{seqlen_q}x{seqlen_k}':>9} {cells}  {'PASS' if ok else 'FAIL'}")
+    if not backward:
+        click.echo("backward: skipped (flashcupy has no flash_attn_backward yet)")
+    click.echo(f"check: {total - failures} of {total} cases pass" + (f", {failures} FAIL" if failures else ""))
+    if failures:
+        ctx.exit(1)
+
+
+def _random_inputs(rng, variant, seqlen_q, seqlen_k, count_q):
+    """Host arrays rounded to the variant's dtype: count_q of shape q, then k and v."""
+    dtype = bench.numpy_dtype(variant.dtype)
+    shape_q = (CHECK_BATCH, seqlen_q, CHECK_NHEADS, variant.head_dim)
+    shape_k = (CHECK_BATCH, seqlen_k, CHECK_NHEADS, variant.head_dim)
+    shapes = [shape_q] * count_q + [shape_k, shape_k]
+    return [rng.standard_normal(s, dtype=np.float32).astype(dtype) for s in shapes]
+
+
+def _rel_err(x, ref) -> tuple[float, float]:
+    """(Frobenius relative error, max abs error) over the entries where ref is finite."""
+    finite = np.isfinite(ref)
+    diff = x[finite] - ref[finite]
+    norm = np.linalg.norm(ref[finite])
+    return float(np.linalg.norm(diff) / max(norm, 1e-30)), float(np.abs(diff).max(initial=0.0))
+
+
+def _finite_where(x, ref) -> bool:
+    return bool(np.isfinite(x)[np.isfinite(ref)].all())
+
+
+def _check_forward(variant, seqlen_q, seqlen_k, rng):
+    import cupy
+
+    from flashcupy.reference import attention_ref
+
+    q, k, v = _random_inputs(rng, variant, seqlen_q, seqlen_k, 1)
+    out, lse = flashcupy.flash_attn_func(*(cupy.asarray(a) for a in (q, k, v)), causal=variant.causal,
+                                         return_lse=True)
+    out = cupy.asnumpy(out).astype(np.float64)
+    lse = cupy.asnumpy(lse).astype(np.float64)
+    ref_out, ref_lse = attention_ref(*(a.astype(np.float64) for a in (q, k, v)), causal=variant.causal)
+    rel, max_abs = _rel_err(out, ref_out)
+    # rows that see no key: the reference says LSE -inf, and so must the kernel
+    empty_rows_agree = np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    _, lse_err = _rel_err(lse, ref_lse)
+    ok = (rel < FWD_TOL[variant.dtype] and lse_err < LSE_TOL and empty_rows_agree
+          and _finite_where(out, ref_out) and _finite_where(lse, ref_lse))
+    return rel, max_abs, f"{lse_err:.2e}", ok
+
+
+def _check_backward(variant, seqlen_q, seqlen_k, rng):
+    """Worst of dq, dk, dv against reference.attention_bwd_ref."""
+    import cupy
+
+    from flashcupy.reference import attention_bwd_ref
+
+    q, dout, k, v = _random_inputs(rng, variant, seqlen_q, seqlen_k, 2)
+    q_d, k_d, v_d, dout_d = (cupy.asarray(a) for a in (q, k, v, dout))
+    out, lse = flashcupy.flash_attn_func(q_d, k_d, v_d, causal=variant.causal, return_lse=True)
+    grads = flashcupy.flash_attn_backward(dout_d, q_d, k_d, v_d, out, lse, causal=variant.causal)
+    refs = attention_bwd_ref(*(a.astype(np.float64) for a in (dout, q, k, v)), causal=variant.causal)
+    rel = max_abs = 0.0
+    ok = True
+    for grad, ref in zip(grads, refs):
+        grad = cupy.asnumpy(grad).astype(np.float64)
+        r, m = _rel_err(grad, ref)
+        rel, max_abs = max(rel, r), max(max_abs, m)
+        ok = ok and _finite_where(grad, ref)
+    return rel, max_abs, "-", ok and rel < BWD_TOL[variant.dtype]
+
+
+if __name__ == "__main__":
+    main()

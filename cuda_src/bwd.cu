@@ -1,0 +1,402 @@
+// FlashAttention-2 backward, sm80 instructions (mma.sync, ldmatrix, cp.async); runs on sm80+.
+//
+// Three kernels (FA2 section 3.2), launched in order by flashcupy/api.py:
+//   flash_bwd_preprocess_kernel   D = rowsum(dO * O)                       (float32, like the LSE)
+//   flash_bwd_kernel              dK, dV per key block; dQ by float32 atomic adds
+//   flash_bwd_convert_dq_kernel   dQ = dq_accum * softmax_scale, in the input dtype
+//
+// Main kernel: one thread block per (key block j of kBlockN keys, head, batch). Pseudocode
+// (FA2 Algorithm 2), with c = softmax_scale * log2(e):
+//
+//   load K_j, V_j once; dK_j = dV_j = 0 (registers)
+//   for i = first q block that sees block j .. last:      // causal: blocks above the diagonal skipped;
+//                                                          // the order is rotated per key block
+//       load Q_i, dO_i, LSE_i, D_i (prefetched one block ahead when kStages == 2)
+//       S^T  = K_j Q_i^T                                   // keys x queries
+//       P^T  = exp2(S^T * c - LSE_i * log2(e))             // masked where j straddles an edge
+//       dP^T = V_j dO_i^T
+//       dS^T = P^T * (dP^T - D_i)
+//       dV_j += P^T dO_i                                   // P^T, dS^T stay in registers ...
+//       dK_j += dS^T Q_i
+//       dS^T -> shared memory                              // ... and dS^T also goes to shared memory
+//       dQ_i += dS K_j                                     // float32 atomic adds into dq_accum
+//   dK_j *= softmax_scale; store dK_j, dV_j
+//
+// Working on the transposes puts keys on the mma's M dimension: warp w owns 16 keys of the block,
+// so P^T and dS^T come out of their mma in exactly the A-fragment layout that dV += P^T dO and
+// dK += dS^T Q consume, and dK_j, dV_j never need a reduction across warps. Only dQ, whose sum
+// runs over keys, reads dS from shared memory. When the head dim is too large for one warp to hold
+// 16 rows of both dK and dV (192, 256), kDSplit warps share a key group and split the head dim of
+// dK, dV between them (they compute the same S^T and dP^T).
+#include "ptx.cuh"
+#include "tile.cuh"
+#include "grid.cuh"
+
+// ---- preprocess: D = rowsum(dO * O), 8 threads per row -----------------------------------------
+template <int kHeadDim, bool Is_bf16>
+__global__ void __launch_bounds__(128)
+flash_bwd_preprocess_kernel(const u16* __restrict__ dout,  // (batch, seqlen_q, nheads, headdim)
+                            const u16* __restrict__ out,   // (batch, seqlen_q, nheads, headdim)
+                            float* __restrict__ delta,     // (batch, nheads, seqlen_q), contiguous
+                            const int seqlen_q, const int nheads, const int batch,
+                            const i64 do_batch_stride, const i64 do_row_stride, const i64 do_head_stride,
+                            const i64 o_batch_stride, const i64 o_row_stride, const i64 o_head_stride) {
+    constexpr int kThreadsPerRow = 8, kRowsPerBlock = 128 / kThreadsPerRow;
+    constexpr int kChunks = kHeadDim / 8;
+    // Rows in (batch, head, row) order, so the writes of D are contiguous.
+    const i64 r = i64(blockIdx.x) * kRowsPerBlock + threadIdx.x / kThreadsPerRow;
+    const int sub = threadIdx.x % kThreadsPerRow;
+    float acc = 0.f;
+    const bool valid = r < i64(batch) * nheads * seqlen_q;
+    if (valid) {
+        const int row = int(r % seqlen_q);
+        const i64 bh = r / seqlen_q;
+        const int head = int(bh % nheads), b = int(bh / nheads);
+        const u16* pdo = dout + b * do_batch_stride + row * do_row_stride + head * do_head_stride;
+        const u16* po = out + b * o_batch_stride + row * o_row_stride + head * o_head_stride;
+#pragma unroll
+        for (int c = sub; c < kChunks; c += kThreadsPerRow) {
+            const uint4 x = *reinterpret_cast<const uint4*>(pdo + c * 8);
+            const uint4 y = *reinterpret_cast<const uint4*>(po + c * 8);
+            const u32 xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float x0, x1, y0, y1;
+                unpack_f32x2<Is_bf16>(xs[i], x0, x1);
+                unpack_f32x2<Is_bf16>(ys[i], y0, y1);
+                acc += x0 * y0 + x1 * y1;
+            }
+        }
+    }
+#pragma unroll
+    for (int off = 1; off < kThreadsPerRow; off *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (valid && sub == 0) delta[r] = acc;
+}
+
+// ---- postprocess: dQ = dq_accum * softmax_scale, 8 elements per thread -------------------------
+template <int kHeadDim, bool Is_bf16>
+__global__ void __launch_bounds__(256)
+flash_bwd_convert_dq_kernel(const float* __restrict__ dq_accum,  // (batch, seqlen_q, nheads, headdim), contiguous
+                            u16* __restrict__ dq,                // (batch, seqlen_q, nheads, headdim), strides below
+                            const int seqlen_q, const int nheads, const int batch,
+                            const i64 dq_batch_stride, const i64 dq_row_stride, const i64 dq_head_stride,
+                            const float softmax_scale) {
+    constexpr int kChunks = kHeadDim / 8;
+    const i64 idx = i64(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= i64(batch) * seqlen_q * nheads * kChunks) return;
+    const int chunk = int(idx % kChunks);
+    const i64 rest = idx / kChunks;
+    const int head = int(rest % nheads);
+    const i64 rest2 = rest / nheads;
+    const int row = int(rest2 % seqlen_q), b = int(rest2 / seqlen_q);
+    const float4 lo = *reinterpret_cast<const float4*>(dq_accum + idx * 8);
+    const float4 hi = *reinterpret_cast<const float4*>(dq_accum + idx * 8 + 4);
+    uint4 o;
+    o.x = pack_f32x2<Is_bf16>(lo.x * softmax_scale, lo.y * softmax_scale);
+    o.y = pack_f32x2<Is_bf16>(lo.z * softmax_scale, lo.w * softmax_scale);
+    o.z = pack_f32x2<Is_bf16>(hi.x * softmax_scale, hi.y * softmax_scale);
+    o.w = pack_f32x2<Is_bf16>(hi.z * softmax_scale, hi.w * softmax_scale);
+    *reinterpret_cast<uint4*>(dq + b * dq_batch_stride + row * dq_row_stride + head * dq_head_stride + chunk * 8) = o;
+}
+
+// ---- main kernel ------------------------------------------------------------------------------
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_>
+struct BwdTraits {
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
+    static constexpr int kStages = kStages_;  // buffers for Q_i, dO_i, LSE_i, D_i
+    static constexpr int kThreads = 32 * kNWarps;
+    static constexpr int kKeyGroups = kBlockN / 16;         // warps along keys, 16 keys each
+    static constexpr int kDSplit = kNWarps / kKeyGroups;    // warps splitting dK, dV's head dim
+    static constexpr int kDPerWarp = kHeadDim / kDSplit;
+    static constexpr int kQTiles = kBlockM / 8;             // n8 tiles of S^T along queries
+    // dQ = dS K: warps tile the (kBlockM x kHeadDim) block as 16-row strips x head-dim parts.
+    static constexpr int kDqParts = kNWarps / (kBlockM / 16);
+    static constexpr int kDqPerWarp = kHeadDim / kDqParts;
+    static constexpr int kPitch = SmemTile<kHeadDim>::kPitch, kPitchS = SmemTile<kBlockM>::kPitch;
+    // Shared memory, in bytes; flashcupy/configs.py computes the same number for the launch.
+    static constexpr int kSmemK = kBlockN * kPitch * 2;                    // K_j, and V_j after it
+    static constexpr int kSmemQ = kBlockM * kPitch * 2;                    // one stage of Q_i, of dO_i
+    static constexpr int kSmemS = kBlockN * kPitchS * 2;                   // dS^T
+    static constexpr int kSmemStats = kBlockM * 4;                         // one stage of LSE_i, of D_i
+    static constexpr int kSmemBytes = 2 * kSmemK + 2 * kStages * kSmemQ + kSmemS + 2 * kStages * kSmemStats;
+    static_assert(kHeadDim % 32 == 0 && kBlockM % 16 == 0 && kBlockN % 16 == 0, "tile shapes");
+    static_assert(kNWarps % kKeyGroups == 0 && kHeadDim % kDSplit == 0 && kDPerWarp % 16 == 0,
+                  "warps must split keys into 16-row groups and the head dim into 16-column parts");
+    static_assert(kNWarps % (kBlockM / 16) == 0 && kHeadDim % kDqParts == 0 && kDqPerWarp % 16 == 0,
+                  "warps must tile the dQ block");
+    static_assert(kStages == 1 || kStages == 2, "one or two stages");
+};
+
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_causal, bool Is_bf16,
+          bool Is_deterministic>
+__global__ void __launch_bounds__(kNWarps * 32, 1)
+flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   headdim)
+                 const u16* __restrict__ k,     // (batch, seqlen_k, nheads_k, headdim)
+                 const u16* __restrict__ v,     // (batch, seqlen_k, nheads_k, headdim)
+                 const u16* __restrict__ dout,  // (batch, seqlen_q, nheads,   headdim)
+                 const float* __restrict__ lse,    // (batch, nheads, seqlen_q), natural log
+                 const float* __restrict__ delta,  // (batch, nheads, seqlen_q), rowsum(dO * O)
+                 float* __restrict__ dq_accum,     // (batch, seqlen_q, nheads, headdim), zeroed
+                 u16* __restrict__ dk,          // (batch, seqlen_k, nheads, headdim): one slice per q head
+                 u16* __restrict__ dv,          // (batch, seqlen_k, nheads, headdim)
+                 int* __restrict__ dq_semaphore,   // (batch, nheads, q blocks), zeroed; deterministic only
+                 const int seqlen_q, const int seqlen_k, const int nheads, const int heads_per_kv_head,
+                 const i64 q_batch_stride, const i64 q_row_stride, const i64 q_head_stride,
+                 const i64 k_batch_stride, const i64 k_row_stride, const i64 k_head_stride,
+                 const i64 v_batch_stride, const i64 v_row_stride, const i64 v_head_stride,
+                 const i64 do_batch_stride, const i64 do_row_stride, const i64 do_head_stride,
+                 const i64 dk_batch_stride, const i64 dk_row_stride, const i64 dk_head_stride,
+                 const i64 dv_batch_stride, const i64 dv_row_stride, const i64 dv_head_stride,
+                 const float softmax_scale, const float scale_log2) {
+    using T = BwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, kStages>;
+    constexpr float kLog2e = 1.4426950408889634f;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    u16* sK = reinterpret_cast<u16*>(smem_raw);
+    u16* sV = sK + kBlockN * T::kPitch;
+    u16* sQ = sV + kBlockN * T::kPitch;                   // [kStages][kBlockM][kPitch]
+    u16* sdO = sQ + kStages * kBlockM * T::kPitch;        // [kStages][kBlockM][kPitch]
+    u16* sdS = sdO + kStages * kBlockM * T::kPitch;       // [kBlockN][kPitchS], dS^T
+    float* sLse = reinterpret_cast<float*>(sdS + kBlockN * T::kPitchS);  // [kStages][kBlockM]
+    float* sDelta = sLse + kStages * kBlockM;                              // [kStages][kBlockM]
+
+    const int num_n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
+    const int num_m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
+    int n_block, head, batch;
+    // Causal: key block 0 sees every q block, so ascending key blocks are heaviest first.
+    block_coords<Is_causal, false>(blockIdx.x, num_n_blocks, nheads, n_block, head, batch);
+    const int kv_head = head / heads_per_kv_head;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int key0 = n_block * kBlockN;
+    const int keys_valid = min(kBlockN, seqlen_k - key0);
+    // First q block holding a row that sees key0 (row key0 + seqlen_q - seqlen_k); C++ division
+    // truncates toward zero, and max() covers a negative row.
+    const int m_block_min = Is_causal ? max(0, (key0 + seqlen_q - seqlen_k) / kBlockM) : 0;
+
+    const u16* gQ = q + batch * q_batch_stride + head * q_head_stride;
+    const u16* gdO = dout + batch * do_batch_stride + head * do_head_stride;
+    const u16* gK = k + batch * k_batch_stride + kv_head * k_head_stride + key0 * k_row_stride;
+    const u16* gV = v + batch * v_batch_stride + kv_head * v_head_stride + key0 * v_row_stride;
+    const float* gLse = lse + (i64(batch) * nheads + head) * seqlen_q;
+    const float* gDelta = delta + (i64(batch) * nheads + head) * seqlen_q;
+    float* gdQ = dq_accum + (i64(batch) * seqlen_q * nheads + head) * kHeadDim;
+    const i64 dq_row_stride = i64(nheads) * kHeadDim;
+
+    const u32 sK_base = smem_u32(sK), sV_base = smem_u32(sV), sQ_base = smem_u32(sQ), sdO_base = smem_u32(sdO);
+    const u32 sdS_base = smem_u32(sdS), sLse_base = smem_u32(sLse), sDelta_base = smem_u32(sDelta);
+    const TileLoader<kBlockN, kHeadDim, T::kThreads> k_loader(tid, k_row_stride);
+    const TileLoader<kBlockN, kHeadDim, T::kThreads> v_loader(tid, v_row_stride);
+    const TileLoader<kBlockM, kHeadDim, T::kThreads> q_loader(tid, q_row_stride);
+    const TileLoader<kBlockM, kHeadDim, T::kThreads> do_loader(tid, do_row_stride);
+
+    // Q_i, dO_i, LSE_i and D_i of q block m into stage `stage`. Rows past seqlen_q are zero-filled.
+    auto load_q_block = [&](int m, int stage) {
+        const int row0 = m * kBlockM, rows = seqlen_q - row0;
+        q_loader.load(sQ_base + stage * T::kSmemQ, gQ + row0 * q_row_stride, rows);
+        do_loader.load(sdO_base + stage * T::kSmemQ, gdO + row0 * do_row_stride, rows);
+        for (int r = tid; r < kBlockM; r += T::kThreads) {
+            const bool valid = r < rows;
+            cp_async_4(sLse_base + (stage * kBlockM + r) * 4, gLse + (valid ? row0 + r : 0), valid ? 4 : 0);
+            cp_async_4(sDelta_base + (stage * kBlockM + r) * 4, gDelta + (valid ? row0 + r : 0), valid ? 4 : 0);
+        }
+    };
+
+    // The key blocks of one head would otherwise walk the q blocks in lockstep and pile their dQ
+    // atomics onto the same rows; each starts at its own offset instead (rotating the order). The
+    // deterministic mode keeps the plain order, which its semaphores rely on.
+    const int m_count = num_m_blocks - m_block_min;
+    const int m_rot = Is_deterministic || m_count <= 0 ? 0 : int(i64(n_block) * m_count / num_n_blocks);
+    auto m_block_at = [&](int it) {
+        const int x = it + m_rot;
+        return m_block_min + (x >= m_count ? x - m_count : x);
+    };
+
+    k_loader.load(sK_base, gK, keys_valid);
+    v_loader.load(sV_base, gV, keys_valid);
+    if (m_count > 0) load_q_block(m_block_at(0), 0);
+    cp_async_commit();
+
+    // Warp roles. Phase 1 (S^T, dP^T, dV, dK): key group `kg` (16 keys), head-dim part `dpart` of
+    // dK, dV. Phase 2 (dQ): 16-row strip `dq_strip` of the q block, head-dim part `dq_part`.
+    const int kg = warp % T::kKeyGroups, dpart = warp / T::kKeyGroups;
+    const int dq_strip = warp % (kBlockM / 16), dq_part = warp / (kBlockM / 16);
+    const int d0 = dpart * T::kDPerWarp, dq_d0 = dq_part * T::kDqPerWarp;
+    // This lane's ldmatrix addresses; per-fragment offsets below are compile-time constants.
+    const u32 sK_a = sK_base + tile_offset<kHeadDim>(16 * kg, 0) + ldsm_lane_offset_a<kHeadDim>(lane);
+    const u32 sV_a = sV_base + tile_offset<kHeadDim>(16 * kg, 0) + ldsm_lane_offset_a<kHeadDim>(lane);
+    const u32 q_frag_b = ldsm_lane_offset_b<kHeadDim>(lane);                       // Q, dO as B of S^T, dP^T
+    const u32 q_frag_t = tile_offset<kHeadDim>(0, d0) + ldsm_lane_offset_a<kHeadDim>(lane);  // ... of dK, dV (.trans)
+    const u32 sdS_t = sdS_base + tile_offset<kBlockM>(0, 16 * dq_strip) + ldsm_lane_offset_b<kBlockM>(lane);
+    const u32 sK_t = sK_base + tile_offset<kHeadDim>(0, dq_d0) + ldsm_lane_offset_a<kHeadDim>(lane);
+
+    float acc_dk[T::kDPerWarp / 8][4], acc_dv[T::kDPerWarp / 8][4];
+#pragma unroll
+    for (int i = 0; i < T::kDPerWarp / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+
+    for (int it = 0; it < m_count; ++it) {
+        const int m_block = m_block_at(it);
+        const bool has_next = it + 1 < m_count;
+        const int stage = kStages == 2 ? it & 1 : 0;
+        const int row0 = m_block * kBlockM;
+        const u32 sQ_s = sQ_base + stage * T::kSmemQ, sdO_s = sdO_base + stage * T::kSmemQ;
+        const float* sLse_s = sLse + stage * kBlockM;
+        const float* sDelta_s = sDelta + stage * kBlockM;
+        cp_async_wait<0>();
+        __syncthreads();  // Q_i, dO_i (and K_j, V_j) landed; the previous block's dQ reads of dS^T are done
+        if (kStages == 2 && has_next) {
+            load_q_block(m_block_at(it + 1), stage ^ 1);
+            cp_async_commit();
+        }
+
+        // S^T = K_j Q_i^T and dP^T = V_j dO_i^T: 16 keys of this warp x kBlockM queries.
+        float acc_s[T::kQTiles][4], acc_dp[T::kQTiles][4];
+#pragma unroll
+        for (int nt = 0; nt < T::kQTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_s[nt][e] = acc_dp[nt][e] = 0.f;
+#pragma unroll
+        for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+            u32 a_k[4], a_v[4];
+            ldmatrix_x4(a_k, sK_a + tile_offset<kHeadDim>(0, 16 * kd));
+            ldmatrix_x4(a_v, sV_a + tile_offset<kHeadDim>(0, 16 * kd));
+#pragma unroll
+            for (int qp = 0; qp < kBlockM / 16; ++qp) {
+                u32 b[4];
+                ldmatrix_x4(b, sQ_s + q_frag_b + tile_offset<kHeadDim>(16 * qp, 16 * kd));
+                mma_16816<Is_bf16>(acc_s[2 * qp], a_k, b[0], b[1]);
+                mma_16816<Is_bf16>(acc_s[2 * qp + 1], a_k, b[2], b[3]);
+                ldmatrix_x4(b, sdO_s + q_frag_b + tile_offset<kHeadDim>(16 * qp, 16 * kd));
+                mma_16816<Is_bf16>(acc_dp[2 * qp], a_v, b[0], b[1]);
+                mma_16816<Is_bf16>(acc_dp[2 * qp + 1], a_v, b[2], b[3]);
+            }
+        }
+
+        // Mask only blocks that straddle seqlen_k, seqlen_q or the diagonal. Element (nt, e) of this
+        // thread is key key0 + 16 kg + g + 8 (e / 2) and query row0 + 8 nt + 2 t + (e % 2).
+        const bool needs_mask = key0 + kBlockN > seqlen_k || row0 + kBlockM > seqlen_q ||
+                                (Is_causal && key0 + kBlockN - 1 > row0 + seqlen_k - seqlen_q);
+        if (needs_mask) {
+#pragma unroll
+            for (int nt = 0; nt < T::kQTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + 16 * kg + g + 8 * (e >> 1);
+                    const int row = row0 + 8 * nt + 2 * t + (e & 1);
+                    const bool masked = key >= seqlen_k || row >= seqlen_q ||
+                                        (Is_causal && key > row + seqlen_k - seqlen_q);
+                    if (masked) acc_s[nt][e] = -FC_INF;
+                }
+        }
+        // P^T = exp2(S^T c - LSE log2 e); dS^T = P^T (dP^T - D). A row that saw no key has LSE -inf:
+        // using +inf there makes P 0 instead of NaN.
+#pragma unroll
+        for (int nt = 0; nt < T::kQTiles; ++nt)
+#pragma unroll
+            for (int e1 = 0; e1 < 2; ++e1) {
+                const int col = 8 * nt + 2 * t + e1;
+                const float lse_row = sLse_s[col];
+                const float lse2 = lse_row == -FC_INF ? FC_INF : lse_row * kLog2e;
+                const float d_row = sDelta_s[col];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int e = 2 * h + e1;
+                    const float p = fast_exp2(acc_s[nt][e] * scale_log2 - lse2);
+                    acc_s[nt][e] = p;
+                    acc_dp[nt][e] = p * (acc_dp[nt][e] - d_row);
+                }
+            }
+
+        // dV_j += P^T dO_i and dK_j += dS^T Q_i over this warp's head-dim part; k runs over queries.
+#pragma unroll
+        for (int kq = 0; kq < kBlockM / 16; ++kq) {
+            u32 a_p[4], a_ds[4];
+            acc_to_a_frag<Is_bf16>(acc_s[2 * kq], acc_s[2 * kq + 1], a_p);
+            acc_to_a_frag<Is_bf16>(acc_dp[2 * kq], acc_dp[2 * kq + 1], a_ds);
+            if (dpart == 0) {  // dS^T to shared memory for dQ; a_ds[r] holds row g + 8 (r % 2), cols 8 (r / 2) + 2t
+                u16* row_g = sdS + (16 * kg + g) * T::kPitchS + 16 * kq + 2 * t;
+                *reinterpret_cast<u32*>(row_g) = a_ds[0];
+                *reinterpret_cast<u32*>(row_g + 8 * T::kPitchS) = a_ds[1];
+                *reinterpret_cast<u32*>(row_g + 8) = a_ds[2];
+                *reinterpret_cast<u32*>(row_g + 8 * T::kPitchS + 8) = a_ds[3];
+            }
+#pragma unroll
+            for (int dp = 0; dp < T::kDPerWarp / 16; ++dp) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, sdO_s + q_frag_t + tile_offset<kHeadDim>(16 * kq, 16 * dp));
+                mma_16816<Is_bf16>(acc_dv[2 * dp], a_p, b[0], b[1]);
+                mma_16816<Is_bf16>(acc_dv[2 * dp + 1], a_p, b[2], b[3]);
+                ldmatrix_x4_trans(b, sQ_s + q_frag_t + tile_offset<kHeadDim>(16 * kq, 16 * dp));
+                mma_16816<Is_bf16>(acc_dk[2 * dp], a_ds, b[0], b[1]);
+                mma_16816<Is_bf16>(acc_dk[2 * dp + 1], a_ds, b[2], b[3]);
+            }
+        }
+        __syncthreads();  // dS^T complete; every warp is done reading Q_i, dO_i
+        if (kStages == 1 && has_next) {  // single buffer: refill it under the dQ work
+            load_q_block(m_block_at(it + 1), 0);
+            cp_async_commit();
+        }
+
+        // dQ_i += dS K_j: this warp's 16 rows x kDqPerWarp columns, k over the block's keys.
+        float acc_dq[T::kDqPerWarp / 8][4];
+#pragma unroll
+        for (int i = 0; i < T::kDqPerWarp / 8; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dq[i][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            u32 a[4];
+            ldmatrix_x4_trans(a, sdS_t + tile_offset<kBlockM>(16 * kk, 0));
+#pragma unroll
+            for (int dp = 0; dp < T::kDqPerWarp / 16; ++dp) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, sK_t + tile_offset<kHeadDim>(16 * kk, 16 * dp));
+                mma_16816<Is_bf16>(acc_dq[2 * dp], a, b[0], b[1]);
+                mma_16816<Is_bf16>(acc_dq[2 * dp + 1], a, b[2], b[3]);
+            }
+        }
+        int* sem = dq_semaphore + (i64(batch) * nheads + head) * num_m_blocks + m_block;
+        if (Is_deterministic) {  // add in key-block order: block j waits for blocks 0..j-1
+            if (tid == 0)
+                while (ld_acquire(sem) != n_block) asm volatile("nanosleep.u32 64;\n");
+            __syncthreads();
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 16 * dq_strip + g + 8 * h;
+            if (row < seqlen_q) {
+                float* dst = gdQ + row * dq_row_stride + dq_d0 + 2 * t;
+#pragma unroll
+                for (int dt = 0; dt < T::kDqPerWarp / 8; ++dt)
+                    red_add_f32x2(dst + 8 * dt, acc_dq[dt][2 * h], acc_dq[dt][2 * h + 1]);
+            }
+        }
+        if (Is_deterministic) {
+            __threadfence();
+            __syncthreads();
+            if (tid == 0) st_release(sem, n_block + 1);
+        }
+    }
+
+    // Epilogue: dK_j (times softmax_scale) and dV_j through the K, V tiles to 16-byte stores.
+    cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = 16 * kg + g + 8 * h;
+#pragma unroll
+        for (int dt = 0; dt < T::kDPerWarp / 8; ++dt) {
+            const int col = d0 + 8 * dt + 2 * t;
+            *reinterpret_cast<u32*>(sK + row * T::kPitch + col) =
+                pack_f32x2<Is_bf16>(acc_dk[dt][2 * h] * softmax_scale, acc_dk[dt][2 * h + 1] * softmax_scale);
+            *reinterpret_cast<u32*>(sV + row * T::kPitch + col) =
+                pack_f32x2<Is_bf16>(acc_dv[dt][2 * h], acc_dv[dt][2 * h + 1]);
+        }
+    }
+    __syncthreads();
+    store_tile<kBlockN, kHeadDim, T::kThreads>(dk + batch * dk_batch_stride + head * dk_head_stride + key0 * dk_row_stride,
+                                               dk_row_stride, sK, keys_valid, tid);
+    store_tile<kBlockN, kHeadDim, T::kThreads>(dv + batch * dv_batch_stride + head * dv_head_stride + key0 * dv_row_stride,
+                                               dv_row_stride, sV, keys_valid, tid);
+}

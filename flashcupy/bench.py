@@ -1,0 +1,682 @@
+"""Timing harness behind `flashcupy bench`: the FA2 paper's sweep, timed with CUDA events.
+
+Importable without a GPU: CuPy, torch and matplotlib are imported inside the functions that use them.
+
+The sweep gives one plain, JSON-ready dict per (shape, implementation); `FIELDS` says what each key
+holds. Implementations: "flashcupy", "naive" (plain CuPy that materialises the N x N scores) and,
+when torch with CUDA is importable, PyTorch SDPA with one backend forced: "sdpa_flash" (FA2),
+"sdpa_cudnn", "sdpa_mem_efficient". All of them read the same CuPy input arrays (torch through
+DLPack, no copy), laid out (batch, seqlen, nheads, headdim).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+SCHEMA = "flashcupy-bench/1"
+
+MODES = ("fwd", "bwd", "fwdbwd")
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+IMPLS = ("flashcupy", "naive", "sdpa_flash", "sdpa_cudnn", "sdpa_mem_efficient")
+PEERS = IMPLS[1:]
+TORCH_PEERS = IMPLS[2:]
+DEFAULT_PEERS = ("naive", "sdpa_flash", "sdpa_cudnn")
+_SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
+                  "sdpa_mem_efficient": "EFFICIENT_ATTENTION"}
+
+# The FA2 paper's sweep (DESIGN.md, benchmark protocol).
+DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+DEFAULT_HEAD_DIMS = (64, 128)
+DEFAULT_TOTAL_TOKENS = 16384
+DEFAULT_HIDDEN = 2048
+DEFAULT_REPEATS = 20
+DEFAULT_WARMUP = 3
+
+FIELDS = {
+    "mode": "fwd, bwd (backward alone, from a stored forward) or fwdbwd (both, timed together)",
+    "dtype": "bf16 or fp16",
+    "batch": "total_tokens // seqlen (at least 1)",
+    "seqlen": "seqlen_q = seqlen_k",
+    "nheads": "hidden // head_dim",
+    "head_dim": "head dimension",
+    "causal": "bottom-right aligned causal mask",
+    "impl": "implementation: " + ", ".join(IMPLS),
+    "status": "ok, OOM (out of device memory), err (failed, see note) or n/a (cannot run this case, see note)",
+    "ms": "median of `repeats` CUDA-event timings on the current stream, after the first call and "
+          "`warmup` more untimed calls",
+    "tflops": "attention_flops(...) / ms, the FA2 paper's count (causal halves it; bwd 2.5x, fwdbwd 3.5x fwd)",
+    "ratio": "flashcupy TFLOP/s / this implementation's TFLOP/s (> 1: flashcupy is faster)",
+    "first_call_ms": "wall time of the first call of this implementation for this shape, synchronized; "
+                     "for flashcupy it holds NVRTC compile or cache load when the variant is new to the process",
+    "peak_extra_bytes": "device memory one call needs beyond its inputs, outputs included. CuPy "
+                        "implementations: growth of CuPy's default pool over the call after its free blocks "
+                        "were released (pool rounding included); torch: max_memory_allocated minus "
+                        "memory_allocated before the call",
+    "note": "why a case is err or n/a, one line",
+}
+
+
+class NotApplicable(Exception):
+    """This implementation cannot run this case (e.g. it has no backward); the message says why."""
+
+
+class MissingDependencyError(RuntimeError):
+    """An optional dependency (matplotlib) is not installed."""
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """One case of the sweep: q, k, v are (batch, seqlen, nheads, head_dim)."""
+
+    batch: int
+    seqlen: int
+    nheads: int
+    head_dim: int
+    causal: bool
+    dtype: str  # key of DTYPES
+    mode: str  # one of MODES
+
+    def __str__(self) -> str:
+        return (f"{self.mode} {self.dtype} d={self.head_dim} causal={'on' if self.causal else 'off'} "
+                f"seqlen={format_seqlen(self.seqlen)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The sweep
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_seqlen(text: str) -> int:
+    """'512' -> 512, '1k' / '16K' -> 1024 / 16384. Raises ValueError unless a positive integer."""
+    s = str(text).strip().lower()
+    factor = 1
+    if s.endswith("k"):
+        s, factor = s[:-1], 1024
+    if not s.isdigit():
+        raise ValueError(f"{text!r} is not a sequence length (use e.g. 512, 2048 or 2k)")
+    value = int(s) * factor
+    if value <= 0:
+        raise ValueError(f"sequence length must be positive, got {text!r}")
+    return value
+
+
+def format_seqlen(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def sweep_shapes(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causal=(False, True),
+                 dtypes=("bf16",), modes=("fwd",), total_tokens=DEFAULT_TOTAL_TOKENS,
+                 hidden=DEFAULT_HIDDEN) -> list[BenchShape]:
+    """The cases of a sweep: batch = total_tokens // seqlen, nheads = hidden // head_dim."""
+    for d in head_dims:
+        if hidden % d:
+            raise ValueError(f"hidden size {hidden} is not a multiple of head dim {d}")
+    for dt in dtypes:
+        if dt not in DTYPES:
+            raise ValueError(f"dtype {dt!r} is not one of {', '.join(DTYPES)}")
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"mode {m!r} is not one of {', '.join(MODES)}")
+    return [BenchShape(max(1, total_tokens // s), s, hidden // d, d, bool(c), dt, m)
+            for m in modes for dt in dtypes for d in head_dims for c in causal for s in seqlens]
+
+
+def run_sweep(shapes, impls=("flashcupy",) + DEFAULT_PEERS, repeats=DEFAULT_REPEATS,
+              warmup=DEFAULT_WARMUP) -> list[dict]:
+    """Benchmark every implementation on every shape; one record per pair, in order.
+
+    `shapes` may be any iterable (the CLI passes a click progress bar over the list).
+    """
+    records = []
+    for shape in shapes:
+        records.extend(bench_shape(shape, impls, repeats, warmup))
+    return records
+
+
+def bench_shape(shape: BenchShape, impls, repeats=DEFAULT_REPEATS, warmup=DEFAULT_WARMUP) -> list[dict]:
+    """Records for one shape, each implementation on the same inputs. Failures become cells."""
+    try:
+        inputs = make_inputs(shape)
+    except Exception as exc:  # e.g. inputs alone do not fit: every cell says so
+        records = [_failed_record(shape, impl, exc, "inputs: ") for impl in impls]
+    else:
+        records = [_bench_impl(impl, shape, inputs, repeats, warmup) for impl in impls]
+        del inputs
+    _release_cupy_memory()
+    fill_ratios(records)
+    return records
+
+
+def fill_ratios(records: list[dict]) -> None:
+    """Set each record's ratio: flashcupy TFLOP/s over its TFLOP/s, for records of one shape."""
+    base = next((r["tflops"] for r in records if r["impl"] == "flashcupy"), None)
+    for r in records:
+        if r["impl"] != "flashcupy" and base and r["tflops"]:
+            r["ratio"] = base / r["tflops"]
+
+
+def new_record(shape: BenchShape, impl: str) -> dict:
+    return {**asdict(shape), "impl": impl, "status": "ok", "ms": None, "tflops": None, "ratio": None,
+            "first_call_ms": None, "peak_extra_bytes": None, "note": None}
+
+
+def make_inputs(shape: BenchShape, seed: int = 0):
+    """(q, k, v, dout) CuPy arrays drawn from a normal distribution; dout is None for fwd."""
+    import cupy
+
+    rng = cupy.random.default_rng(seed)
+    dims = (shape.batch, shape.seqlen, shape.nheads, shape.head_dim)
+    dtype = numpy_dtype(shape.dtype)
+
+    def normal():
+        return rng.standard_normal(dims, dtype=cupy.float32).astype(dtype)
+
+    q, k, v = normal(), normal(), normal()
+    return q, k, v, (normal() if shape.mode != "fwd" else None)
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """'bf16' / 'fp16' (or the long names) -> NumPy dtype."""
+    name = DTYPES.get(name, name)
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _bench_impl(impl, shape, inputs, repeats, warmup) -> dict:
+    record = new_record(shape, impl)
+    runtime = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # torch explains "no available kernel" in warnings
+        try:
+            runtime = _runtime_for(impl)
+            first_ms, ms, peak = _measure(impl, shape, inputs, runtime, repeats, warmup)
+        except NotApplicable as exc:
+            record.update(status="n/a", note=str(exc))
+        except Exception as exc:
+            hint = f" ({_one_line(str(caught[0].message))})" if caught else ""
+            record = _failed_record(shape, impl, exc, suffix=hint)
+        else:
+            record.update(ms=ms, tflops=_flops(shape) / (ms * 1e-3) / 1e12, first_call_ms=first_ms,
+                          peak_extra_bytes=peak)
+    if runtime is not None:  # the step and its buffers are gone by now: hand memory back
+        runtime.release()
+    return record
+
+
+def _measure(impl, shape, inputs, runtime, repeats, warmup):
+    """(first call ms, median ms, peak extra bytes); the step's closures die with this frame."""
+    step = _make_step(impl, shape, inputs)
+    first_ms, ms = time_step(step, runtime, repeats, warmup)
+    return first_ms, ms, runtime.peak_extra_bytes(step)
+
+
+def _failed_record(shape, impl, exc, prefix="", suffix="") -> dict:
+    record = new_record(shape, impl)
+    if _is_oom(exc):
+        record.update(status="OOM")
+    else:
+        record.update(status="err", note=prefix + f"{type(exc).__name__}: {_one_line(str(exc))}" + suffix)
+    return record
+
+
+def _flops(shape: BenchShape) -> float:
+    from .reference import attention_flops
+
+    return attention_flops(shape.batch, shape.seqlen, shape.seqlen, shape.nheads, shape.head_dim,
+                           shape.causal, mode=shape.mode)
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _is_oom(exc: BaseException) -> bool:
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(exc, cupy.cuda.memory.OutOfMemoryError):
+        return True
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    # cuBLAS / runtime allocation failures surface as their own error types
+    text = str(exc)
+    return "out of memory" in text.lower() or "ALLOC_FAILED" in text
+
+
+def _release_cupy_memory() -> None:
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        try:
+            cupy.cuda.get_current_stream().synchronize()
+            cupy.get_default_memory_pool().free_all_blocks()
+        except Exception:  # a broken context: nothing left to release
+            pass
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing: one interface over CuPy and torch events
+# ----------------------------------------------------------------------------------------------
+
+
+def time_step(step, runtime, repeats=DEFAULT_REPEATS, warmup=DEFAULT_WARMUP) -> tuple[float, float]:
+    """(first call ms by wall clock, median ms of `repeats` event-timed calls).
+
+    The first call (compile, plan selection) is timed alone, then `warmup` untimed calls; the timed
+    calls are queued back to back, each between two events, with one synchronize at the end, so host
+    launch overhead is hidden unless it exceeds the GPU time.
+    """
+    runtime.synchronize()
+    t0 = time.perf_counter()
+    step()
+    runtime.synchronize()
+    first_ms = (time.perf_counter() - t0) * 1e3
+    for _ in range(warmup):
+        step()
+    events = [(runtime.event(), runtime.event()) for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        step()
+        end.record()
+    runtime.synchronize()
+    return first_ms, statistics.median(runtime.elapsed_ms(s, e) for s, e in events)
+
+
+class _CupyRuntime:
+    def __init__(self):
+        import cupy
+
+        self.cupy = cupy
+
+    def event(self):
+        return self.cupy.cuda.Event()
+
+    def elapsed_ms(self, start, end) -> float:
+        return self.cupy.cuda.get_elapsed_time(start, end)
+
+    def synchronize(self) -> None:
+        self.cupy.cuda.get_current_stream().synchronize()
+
+    def peak_extra_bytes(self, step) -> int:
+        pool = self.cupy.get_default_memory_pool()
+        self.synchronize()
+        pool.free_all_blocks()  # the pool now holds only live arrays: its growth is the call's need
+        before = pool.total_bytes()
+        step()
+        self.synchronize()
+        return pool.total_bytes() - before
+
+    def release(self) -> None:
+        _release_cupy_memory()
+
+
+class _TorchRuntime:
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def event(self):
+        return self.torch.cuda.Event(enable_timing=True)
+
+    def elapsed_ms(self, start, end) -> float:
+        return start.elapsed_time(end)
+
+    def synchronize(self) -> None:
+        self.torch.cuda.synchronize()
+
+    def peak_extra_bytes(self, step) -> int:
+        cuda = self.torch.cuda
+        cuda.synchronize()
+        cuda.reset_peak_memory_stats()
+        before = cuda.memory_allocated()
+        step()
+        cuda.synchronize()
+        return cuda.max_memory_allocated() - before
+
+    def release(self) -> None:
+        self.torch.cuda.synchronize()
+        self.torch.cuda.empty_cache()  # so the next CuPy case can have the memory
+
+
+def _runtime_for(impl: str):
+    if impl in ("flashcupy", "naive"):
+        return _CupyRuntime()
+    if impl in TORCH_PEERS:
+        reason = torch_unavailable_reason()
+        if reason:
+            raise NotApplicable(reason)
+        return _TorchRuntime()
+    raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The implementations: each returns a step, a callable that enqueues one timed unit of work
+# ----------------------------------------------------------------------------------------------
+
+
+def _make_step(impl, shape, inputs):
+    if impl == "flashcupy":
+        return _flashcupy_step(shape, inputs)
+    if impl == "naive":
+        return _naive_step(shape, inputs)
+    return _sdpa_step(impl, shape, inputs)
+
+
+def _flashcupy_step(shape, inputs):
+    import flashcupy
+
+    q, k, v, dout = inputs
+    causal = shape.causal
+    if shape.mode == "fwd":
+        return lambda: flashcupy.flash_attn_func(q, k, v, causal=causal)
+    backward = getattr(flashcupy, "flash_attn_backward", None)
+    if backward is None:
+        raise NotApplicable("flashcupy has no backward yet")
+    if shape.mode == "bwd":
+        out, lse = flashcupy.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+        return lambda: backward(dout, q, k, v, out, lse, causal=causal)
+
+    def forward_backward():
+        out, lse = flashcupy.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+        return backward(dout, q, k, v, out, lse, causal=causal)
+
+    return forward_backward
+
+
+def _naive_step(shape, inputs):
+    if shape.mode != "fwd":
+        raise NotApplicable("naive has no backward")
+    q, k, v, _ = inputs
+    return lambda: naive_attention(q, k, v, causal=shape.causal)
+
+
+def naive_attention(q, k, v, causal=False, softmax_scale=None):
+    """Attention in plain CuPy with the whole (seqlen_q, seqlen_k) score matrix: the quadratic-memory peer.
+
+    Scores come from batched cupy.matmul over (batch, head) on transposed views; softmax runs in
+    float32, in place. float16 runs its GEMMs in float16 (P cast back for P @ V); bfloat16 runs
+    them in float32, since CuPy 14's batched matmul has no bfloat16 path. Rows that see no key
+    give NaN.
+    """
+    import cupy
+
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    dtype = q.dtype
+    gemm_dtype = dtype if dtype == np.float16 else np.dtype(np.float32)
+    q, k, v = (x.astype(gemm_dtype, copy=False) for x in (q, k, v))
+    scores = cupy.matmul(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 3, 1)).astype(cupy.float32, copy=False)
+    scores *= scale
+    if causal:  # bottom-right aligned, as flash_attn_func: query i sees keys j <= i + sk - sq
+        sq, sk = scores.shape[-2:]
+        hidden = cupy.triu(cupy.ones((sq, sk), dtype=bool), k=sk - sq + 1)
+        scores += cupy.where(hidden, np.float32(-np.inf), np.float32(0))
+    scores -= scores.max(axis=-1, keepdims=True)
+    cupy.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = cupy.matmul(scores.astype(gemm_dtype, copy=False), v.transpose(0, 2, 1, 3))  # (b, h, sq, d)
+    return out.transpose(0, 2, 1, 3).astype(dtype, order="C")
+
+
+def _sdpa_step(impl, shape, inputs):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, _SDPA_BACKENDS[impl], None)
+    if backend is None:
+        raise NotApplicable(f"torch {torch.__version__} has no SDPBackend.{_SDPA_BACKENDS[impl]}")
+    q, k, v, dout = (None if a is None else torch.from_dlpack(a) for a in inputs)
+    causal = shape.causal
+
+    def attend(q, k, v):
+        # (b, s, h, d) -> (b, h, s, d) views: SDPA takes the strides as they are, no copy
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=causal)
+
+    if shape.mode == "fwd":
+        def forward():
+            with torch.no_grad():
+                return attend(q, k, v)
+        return forward
+
+    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    dout_t = dout.transpose(1, 2)
+    # autograd.grad returns fresh gradients, as flash_attn_backward does; .backward() would add
+    # into .grad and time three extra elementwise kernels per step
+    if shape.mode == "bwd":
+        out = attend(*leaves)
+        return lambda: torch.autograd.grad(out, leaves, dout_t, retain_graph=True)
+
+    def forward_backward():
+        return torch.autograd.grad(attend(*leaves), leaves, dout_t)
+
+    return forward_backward
+
+
+def torch_unavailable_reason() -> str | None:
+    """None when torch with CUDA can run the SDPA peers, else a short reason."""
+    try:
+        import torch
+    except Exception as exc:  # ImportError, or a broken install
+        return f"torch is not importable: {type(exc).__name__}: {_one_line(str(exc), 100)}"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Metadata and the JSON document
+# ----------------------------------------------------------------------------------------------
+
+
+def cuda_version_string(version: int) -> str:
+    """12090 -> '12.9', as CUDA encodes versions (1000 * major + 10 * minor)."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def software_versions() -> dict:
+    """CUDA driver and runtime, CuPy and NVRTC versions (needs CuPy; the driver part needs a driver)."""
+    import cupy
+
+    versions = {"cupy": cupy.__version__, "cuda_driver": None, "cuda_runtime": None, "nvrtc": None}
+    for key, read in (("cuda_driver", cupy.cuda.runtime.driverGetVersion),
+                      ("cuda_runtime", cupy.cuda.runtime.runtimeGetVersion)):
+        try:
+            versions[key] = cuda_version_string(read())
+        except Exception:
+            pass
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        versions["nvrtc"] = "{}.{}".format(*nvrtc.getVersion())
+    except Exception:
+        pass
+    return versions
+
+
+def git_commit() -> str | None:
+    """HEAD of the checkout holding this package, with '-dirty' for local changes; None outside git."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def collect_metadata() -> dict:
+    """Where and with what the numbers were taken. Needs a GPU."""
+    from . import __version__
+    from .device import device_info
+
+    info = device_info()
+    torch = sys.modules.get("torch")  # reported when the peers imported it
+    return {
+        "device": info.name,
+        "device_id": info.id,
+        "compute_capability": f"{info.capability // 10}.{info.capability % 10}",
+        "sm_count": info.sm_count,
+        "total_memory_bytes": info.total_memory,
+        **{f"{k}_version": v for k, v in software_versions().items()},
+        "torch_version": getattr(torch, "__version__", None),
+        "flashcupy_version": __version__,
+        "git_commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def results_document(records: list[dict], metadata: dict, config: dict) -> dict:
+    """The JSON document `flashcupy bench --json` writes."""
+    return {"schema": SCHEMA, "metadata": metadata, "config": config, "fields": FIELDS, "results": records}
+
+
+def write_json(document: dict, path) -> None:
+    Path(path).write_text(json.dumps(document, indent=1) + "\n")
+
+
+def load_json(path) -> dict:
+    document = json.loads(Path(path).read_text())
+    if not str(document.get("schema", "")).startswith("flashcupy-bench/"):
+        raise ValueError(f"{path} is not a flashcupy bench result (no 'schema': '{SCHEMA}')")
+    return document
+
+
+# ----------------------------------------------------------------------------------------------
+# Text table and plot
+# ----------------------------------------------------------------------------------------------
+
+
+def format_bytes(n) -> str:
+    if n is None:
+        return ""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _section_key(r: dict) -> tuple:
+    return r["mode"], r["dtype"], r["head_dim"], r["nheads"], r["causal"]
+
+
+def format_table(records: list[dict]) -> str:
+    """One block per (mode, dtype, head dim, causal); a row per seqlen and implementation.
+
+    Cells of cases that did not run show their status; err and n/a notes follow as footnotes.
+    """
+    sections: dict[tuple, list[dict]] = {}
+    for r in records:
+        sections.setdefault(_section_key(r), []).append(r)
+    header = (f"{'seqlen':>7} {'batch':>5}  {'impl':<18} {'ms':>9} {'TFLOP/s':>8} {'fc/peer':>8} "
+              f"{'1st call ms':>11} {'extra mem':>10}")
+    lines, notes = [], []
+    for (mode, dtype, head_dim, nheads, causal), rows in sections.items():
+        if lines:
+            lines.append("")
+        lines.append(f"{mode} {dtype}  head dim {head_dim} ({nheads} heads)  causal {'on' if causal else 'off'}")
+        lines.append(header)
+        last_seqlen = None
+        for r in rows:
+            lead = (f"{format_seqlen(r['seqlen']):>7} {r['batch']:>5}" if r["seqlen"] != last_seqlen
+                    else " " * 13)
+            last_seqlen = r["seqlen"]
+            if r["status"] != "ok":
+                cell = r["status"]
+                if r.get("note"):
+                    notes.append(f"[{len(notes) + 1}] {r['impl']}, {mode} {dtype} d={head_dim} "
+                                 f"seqlen={format_seqlen(r['seqlen'])}: {r['note']}")
+                    cell += f"[{len(notes)}]"
+                lines.append(f"{lead}  {r['impl']:<18} {cell:>9}")
+                continue
+            ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else ""
+            first = f"{r['first_call_ms']:.1f}" if r.get("first_call_ms") is not None else ""
+            lines.append(f"{lead}  {r['impl']:<18} {r['ms']:>9.3f} {r['tflops']:>8.1f} {ratio:>8} "
+                         f"{first:>11} {format_bytes(r.get('peak_extra_bytes')):>10}")
+    if lines:
+        lines += ["", "fc/peer: flashcupy TFLOP/s over the peer's; 1st call ms: wall time of the first call "
+                      "(compile or cache load); extra mem: device memory beyond the inputs, outputs included"]
+    lines += notes
+    return "\n".join(lines)
+
+
+def require_matplotlib():
+    """Raise MissingDependencyError, with the install command, when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise MissingDependencyError("plotting needs matplotlib: pip install matplotlib "
+                                     "(or pip install 'flashcupy[plot]')") from exc
+
+
+def plot_results(results, path) -> None:
+    """TFLOP/s against seqlen, a line per implementation, one panel per (mode, dtype) row and
+    (head dim, causal) column, as in the FA2 paper's figures. `results`: the records or the JSON
+    document. Works on the CPU (Agg canvas, no pyplot state)."""
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullLocator
+
+    metadata = results.get("metadata", {}) if isinstance(results, dict) else {}
+    records = results["results"] if isinstance(results, dict) else results
+    rows = list(dict.fromkeys((r["mode"], r["dtype"]) for r in records))
+    cols = list(dict.fromkeys((r["head_dim"], r["causal"]) for r in records))
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in records)]
+    impls += sorted({r["impl"] for r in records} - set(impls))
+    colors = {impl: f"C{n}" for n, impl in enumerate(impls)}
+
+    fig = Figure(figsize=(4.5 * max(len(cols), 1), 3.6 * max(len(rows), 1)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(max(len(rows), 1), max(len(cols), 1), squeeze=False)
+    for i, (mode, dtype) in enumerate(rows):
+        for j, (head_dim, causal) in enumerate(cols):
+            ax = axes[i][j]
+            panel = [r for r in records if (r["mode"], r["dtype"], r["head_dim"], r["causal"])
+                     == (mode, dtype, head_dim, causal)]
+            seqlens = sorted({r["seqlen"] for r in panel})
+            for impl in impls:
+                points = sorted((r["seqlen"], r["tflops"]) for r in panel
+                                if r["impl"] == impl and r["status"] == "ok" and r["tflops"])
+                if points:
+                    xs, ys = zip(*points)
+                    ax.plot(xs, ys, marker="o", color=colors[impl], label=impl)
+            if not panel:
+                ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(seqlens, [format_seqlen(s) for s in seqlens])
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.set_title(f"{mode} {dtype}, head dim {head_dim}, {'causal' if causal else 'non-causal'}",
+                         fontsize=10)
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel("TFLOP/s")
+    handles = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=len(handles))
+    if metadata.get("device"):
+        fig.suptitle(f"flashcupy bench on {metadata['device']} (sm {metadata.get('compute_capability', '?')})")
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,189 @@
+"""The backward kernels against the float64 reference gradients, on the GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_helpers import poison_pool, randn, rel_err, requires_gpu, to_host64
+
+pytestmark = requires_gpu
+
+# Gradient bounds: dS = P (dP - D) is rounded to the input dtype before two more products, so the
+# gradients carry about twice the forward's rounding error (reference: float64 on the same inputs).
+GRAD_TOL = {"float16": 4e-3, "bfloat16": 3e-2}
+SEQLENS = [1, 17, 128, 1000, 2049]
+UNEQUAL = [(17, 1000), (1000, 17), (128, 2049), (2049, 129)]
+
+
+def run_backward(q, k, v, causal, dtype_name, deterministic=False, softmax_scale=None, grads_out=None):
+    import cupy
+
+    import flashcupy
+    from flashcupy.reference import attention_bwd_ref
+
+    out, lse = flashcupy.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True)
+    rng = np.random.default_rng(q.shape[1] * 31 + k.shape[1])
+    dout = randn(rng, q.shape, dtype_name)
+    poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype))
+    grads = flashcupy.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
+                                          deterministic=deterministic, **(grads_out or {}))
+    refs = attention_bwd_ref(to_host64(dout), to_host64(q), to_host64(k), to_host64(v),
+                             softmax_scale=softmax_scale, causal=causal)
+    errs = {}
+    for name, g, ref, like in zip(("dq", "dk", "dv"), grads, refs, (q, k, v)):
+        assert g.shape == like.shape and g.dtype == like.dtype
+        host = to_host64(g)
+        assert not np.isnan(host).any(), f"{name}: unwritten (poisoned) or NaN elements"
+        errs[name] = rel_err(host, ref) if np.linalg.norm(ref) > 0 else float(np.abs(host).max())
+        assert errs[name] < GRAD_TOL[dtype_name], f"{name} relative error {errs[name]:.2e}"
+    cupy.cuda.Device().synchronize()
+    return grads, errs
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen", SEQLENS)
+def test_equal_seqlens(dtype_name, head_dim, causal, seqlen):
+    rng = np.random.default_rng(1000 * seqlen + head_dim + causal)
+    for batch, nheads in ((1, 3), (8, 2)):
+        if seqlen > 1000:
+            batch = min(batch, 2)
+        shape = (batch, seqlen, nheads, head_dim)
+        q, k, v = (randn(rng, shape, dtype_name) for _ in range(3))
+        run_backward(q, k, v, causal, dtype_name)
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", UNEQUAL)
+def test_unequal_seqlens(dtype_name, head_dim, causal, seqlen_q, seqlen_k):
+    rng = np.random.default_rng(seqlen_q * 7 + seqlen_k + head_dim + causal)
+    q = randn(rng, (2, seqlen_q, 2, head_dim), dtype_name)
+    k, v = (randn(rng, (2, seqlen_k, 2, head_dim), dtype_name) for _ in range(2))
+    run_backward(q, k, v, causal, dtype_name)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_other_head_dims(head_dim, causal):
+    rng = np.random.default_rng(head_dim + causal)
+    q = randn(rng, (2, 300, 2, head_dim), "bfloat16")
+    k, v = (randn(rng, (2, 333, 2, head_dim), "bfloat16") for _ in range(2))
+    run_backward(q, k, v, causal, "bfloat16")
+
+
+def test_large_batch_heads_and_scale():
+    rng = np.random.default_rng(8)
+    shape = (8, 130, 16, 64)
+    q, k, v = (randn(rng, shape, "float16") for _ in range(3))
+    run_backward(q, k, v, True, "float16", softmax_scale=0.3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_noncontiguous_strides_and_given_outputs(causal):
+    """Packed qkv inputs; gradients written in place into a packed dqkv buffer."""
+    import cupy
+
+    rng = np.random.default_rng(12)
+    b, n, h, d = 2, 257, 4, 128
+    qkv = randn(rng, (b, n, 3, h, d), "bfloat16")
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    dqkv = cupy.full(qkv.shape, np.nan, dtype=qkv.dtype)
+    grads, _ = run_backward(q, k, v, causal, "bfloat16",
+                            grads_out={"dq": dqkv[:, :, 0], "dk": dqkv[:, :, 1], "dv": dqkv[:, :, 2]})
+    for i, g in enumerate(grads):
+        assert g.data.ptr == dqkv[:, :, i].data.ptr  # written in place, no copy
+    assert not cupy.isnan(dqkv.astype(cupy.float32)).any()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_sums_over_groups(causal):
+    rng = np.random.default_rng(6)
+    q = randn(rng, (2, 200, 8, 64), "float16")
+    k, v = (randn(rng, (2, 190, 2, 64), "float16") for _ in range(2))
+    run_backward(q, k, v, causal, "float16")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_gives_identical_bits(causal):
+    import cupy
+
+    rng = np.random.default_rng(4)
+    shape = (2, 1500, 4, 64)
+    q, k, v = (randn(rng, shape, "bfloat16") for _ in range(3))
+    first, _ = run_backward(q, k, v, causal, "bfloat16", deterministic=True)
+    for _ in range(3):
+        again, _ = run_backward(q, k, v, causal, "bfloat16", deterministic=True)
+        for a, b in zip(first, again):
+            assert cupy.array_equal(a.view(cupy.uint16), b.view(cupy.uint16))
+
+
+def test_handle_round_trip():
+    import cupy
+
+    import flashcupy
+    from flashcupy.reference import attention_bwd_ref, attention_ref
+
+    rng = np.random.default_rng(21)
+    q, k, v = (randn(rng, (2, 333, 4, 64), "float16") for _ in range(3))
+    attn = flashcupy.FlashAttention(causal=True)
+    out = attn.forward(q, k, v)
+    ref_out, _ = attention_ref(to_host64(q), to_host64(k), to_host64(v), causal=True)
+    assert rel_err(to_host64(out), ref_out) < 2e-3
+    dout = randn(rng, q.shape, "float16")
+    grads = attn.backward(dout)
+    refs = attention_bwd_ref(to_host64(dout), to_host64(q), to_host64(k), to_host64(v), causal=True)
+    for g, r in zip(grads, refs):
+        assert rel_err(to_host64(g), r) < GRAD_TOL["float16"]
+    attn.release()
+    with pytest.raises(RuntimeError, match="forward first"):
+        attn.backward(dout)
+    cupy.cuda.Device().synchronize()
+
+
+def test_backward_validation_names_arguments():
+    import cupy
+
+    import flashcupy
+
+    rng = np.random.default_rng(2)
+    q, k, v = (randn(rng, (1, 64, 2, 64), "float16") for _ in range(3))
+    out, lse = flashcupy.flash_attn_func(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="dout must have the shape of q"):
+        flashcupy.flash_attn_backward(out[:, :32], q, k, v, out, lse)
+    with pytest.raises(ValueError, match="softmax_lse must have shape"):
+        flashcupy.flash_attn_backward(out, q, k, v, out, lse[:, :1])
+    with pytest.raises(TypeError, match="softmax_lse must be float32"):
+        flashcupy.flash_attn_backward(out, q, k, v, out, lse.astype(cupy.float64))
+    with pytest.raises(ValueError, match="dk must have the shape and dtype of k"):
+        flashcupy.flash_attn_backward(out, q, k, v, out, lse, dk=cupy.empty((1, 64, 2, 32), cupy.float16))
+    with pytest.raises(TypeError, match="dout is a NumPy"):
+        flashcupy.flash_attn_backward(np.zeros(q.shape, np.float16), q, k, v, out, lse)
+
+
+def test_memory_is_linear_in_seqlen():
+    """A backward at seqlen 65536 allocates O(seqlen): D, the dq accumulator and the gradients."""
+    import cupy
+
+    import flashcupy
+
+    rng = np.random.default_rng(19)
+    shape = (1, 65536, 1, 64)
+    q, k, v, dout = (randn(rng, shape, "bfloat16") for _ in range(4))
+    out, lse = flashcupy.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    grads = flashcupy.flash_attn_backward(dout, q, k, v, out, lse, causal=True)
+    cupy.cuda.Device().synchronize()
+    extra = pool.total_bytes() - before
+    grad_bytes = sum(g.nbytes for g in grads)
+    accum_bytes = q.size * 4 + lse.nbytes  # float32 dq accumulator and D
+    assert extra <= grad_bytes + accum_bytes + 1 << 20, f"{extra} extra bytes"
+    assert extra < 65536 * 65536 // 64  # far below any N x N buffer
+    for g in grads:
+        assert bool(cupy.isfinite(g.astype(cupy.float32)).all())

@@ -1,0 +1,348 @@
+"""The CLI and the bench harness: option handling, the no-GPU path, JSON and plot on the CPU;
+a tiny bench, check and info on the GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import cli
+from flashcupy import bench, device
+from flashcupy.device import DeviceInfo, NoGPUError
+from gpu_helpers import requires_gpu
+
+FAKE_GPU = DeviceInfo(id=0, name="Fake GPU", capability=90, sm_count=132, smem_per_block_optin=227 * 1024,
+                      total_memory=80 * 2**30)
+
+
+def on_gpu(test):
+    """The project's GPU marker and skip ("needs a CUDA GPU") on one test."""
+    for mark in requires_gpu:
+        test = mark(test)
+    return test
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli.main, list(args))
+
+
+def fabricated_records():
+    """Records as bench_shape returns them, with made-up numbers and every status."""
+    records = []
+    shapes = bench.sweep_shapes(seqlens=(512, 1024), head_dims=(64,), causal=(False, True), total_tokens=2048)
+    for shape in shapes:
+        group = []
+        for impl, tflops in (("flashcupy", 300.0), ("naive", 5.0), ("sdpa_flash", 280.0)):
+            r = bench.new_record(shape, impl)
+            r.update(ms=1.0 / tflops, tflops=tflops, first_call_ms=12.5, peak_extra_bytes=3 << 20)
+            group.append(r)
+        group.append({**bench.new_record(shape, "sdpa_cudnn"), "status": "err", "note": "RuntimeError: no kernel"})
+        group.append({**bench.new_record(shape, "sdpa_mem_efficient"), "status": "OOM"})
+        bench.fill_ratios(group)
+        records += group
+    return records
+
+
+FAKE_METADATA = {"device": "Fake GPU", "compute_capability": "9.0", "cuda_driver_version": "13.0",
+                 "cupy_version": "14.2.0", "nvrtc_version": "12.9", "torch_version": None, "git_commit": None}
+
+
+# ----------------------------------------------------------------------------------------------
+# Help and option validation (CPU)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [[], ["bench"], ["info"], ["check"]])
+def test_help(command):
+    result = invoke(*command, "--help")
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+
+
+def test_bench_help_lists_options():
+    result = invoke("bench", "--help")
+    for option in ("--seqlens", "--head-dims", "--causal", "--dtype", "--mode", "--total-tokens", "--hidden",
+                   "--peers", "--repeats", "--warmup", "--json", "--plot", "--quiet"):
+        assert option in result.output
+
+
+def test_main_is_the_console_entry():
+    result = CliRunner().invoke(cli.main, ["--version"])
+    assert result.exit_code == 0 and "flashcupy" in result.output
+
+
+@pytest.mark.parametrize("args, hint", [
+    (["--head-dims", "48"], "choose from 32, 64"),
+    (["--head-dims", "64,abc"], "not supported"),
+    (["--seqlens", "0"], "must be positive"),
+    (["--seqlens=-1k"], "e.g. 512,1k,2k"),
+    (["--seqlens", "1.5k"], "e.g. 512,1k,2k"),
+    (["--seqlens", ","], "at least one"),
+    (["--peers", "naive,foo"], "sdpa_flash"),
+    (["--peers", "none,naive"], "cannot be combined"),
+    (["--dtype", "fp32"], "bf16, fp16"),
+    (["--mode", "fwd,both"], "fwdbwd"),
+    (["--hidden", "2000", "--head-dims", "64"], "multiple of head dim 64"),
+])
+def test_bench_bad_options_are_usage_errors(args, hint):
+    result = invoke("bench", *args)
+    assert result.exit_code == 2, result.output
+    assert "Usage:" in result.output and hint in result.output
+    assert "no CUDA GPU" not in result.output  # options are checked before the GPU
+    assert "Traceback" not in result.output
+
+
+def test_check_bad_head_dim():
+    result = invoke("check", "--head-dims", "100")
+    assert result.exit_code == 2 and "not supported" in result.output
+
+
+# ----------------------------------------------------------------------------------------------
+# No GPU: one line, exit status 2, no traceback (CPU)
+# ----------------------------------------------------------------------------------------------
+
+
+def assert_no_gpu_exit(result):
+    assert result.exit_code == cli.NO_GPU_EXIT, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("flashcupy: no CUDA GPU available (")
+    assert "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize("command", [["bench"], ["info"], ["check"]])
+def test_no_gpu_simulated(monkeypatch, command):
+    monkeypatch.setattr(device, "gpu_available", lambda: False)
+    assert_no_gpu_exit(invoke(*command))
+
+
+@pytest.mark.parametrize("command", [["bench"], ["info"], ["check"]])
+def test_device_info_failure_is_no_gpu(monkeypatch, command):
+    def no_device(device_id=None):
+        raise NoGPUError("no usable CUDA GPU: cudaErrorNoDevice")
+
+    monkeypatch.setattr(device, "gpu_available", lambda: True)
+    monkeypatch.setattr(device, "device_info", no_device)
+    result = invoke(*command)
+    assert_no_gpu_exit(result)
+    assert "cudaErrorNoDevice" in result.stderr
+
+
+@pytest.mark.skipif(device.gpu_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("command", [["bench", "--seqlens", "256"], ["info"], ["check"]])
+def test_no_gpu_real(command):
+    assert_no_gpu_exit(invoke(*command))
+
+
+# ----------------------------------------------------------------------------------------------
+# Harness pieces (CPU)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, value", [("512", 512), ("1k", 1024), ("16K", 16384), (" 2k ", 2048),
+                                         ("257", 257)])
+def test_parse_seqlen(text, value):
+    assert bench.parse_seqlen(text) == value
+
+
+@pytest.mark.parametrize("text", ["0", "0k", "-512", "1.5k", "k", "", "2m"])
+def test_parse_seqlen_rejects(text):
+    with pytest.raises(ValueError):
+        bench.parse_seqlen(text)
+
+
+def test_sweep_shapes_follow_the_protocol():
+    shapes = bench.sweep_shapes()
+    assert len(shapes) == 6 * 2 * 2  # seqlens x head dims x causal, bf16 fwd
+    by_key = {(s.seqlen, s.head_dim, s.causal): s for s in shapes}
+    assert by_key[512, 64, False].batch == 32 and by_key[512, 64, False].nheads == 32
+    assert by_key[16384, 128, True].batch == 1 and by_key[16384, 128, True].nheads == 16
+    assert bench.sweep_shapes(seqlens=(32768,))[0].batch == 1
+    with pytest.raises(ValueError, match="multiple of head dim"):
+        bench.sweep_shapes(head_dims=(96,), hidden=2000)
+
+
+def test_failures_become_cells(monkeypatch):
+    shape = bench.sweep_shapes(seqlens=(256,), head_dims=(64,), causal=(False,), total_tokens=256)[0]
+
+    def broken(shape, seed=0):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(bench, "make_inputs", broken)
+    records = bench.bench_shape(shape, ("flashcupy", "naive"), repeats=1, warmup=0)
+    assert [r["status"] for r in records] == ["err", "err"]
+    assert records[0]["note"] == "inputs: RuntimeError: boom"
+
+    def oom(shape, seed=0):
+        raise MemoryError("cudaErrorMemoryAllocation: out of memory")
+
+    monkeypatch.setattr(bench, "make_inputs", oom)
+    assert {r["status"] for r in bench.bench_shape(shape, ("naive",))} == {"OOM"}
+
+
+def test_naive_has_no_backward(monkeypatch):
+    pytest.importorskip("cupy")
+    shape = bench.sweep_shapes(seqlens=(256,), head_dims=(64,), causal=(False,), modes=("bwd",))[0]
+    monkeypatch.setattr(bench, "make_inputs", lambda shape, seed=0: (None, None, None, None))
+    (record,) = bench.bench_shape(shape, ("naive",))
+    assert record["status"] == "n/a" and "no backward" in record["note"]
+
+
+def test_ratios():
+    records = fabricated_records()
+    ratio = {r["impl"]: r["ratio"] for r in records[:5]}
+    assert ratio["flashcupy"] is None and ratio["sdpa_cudnn"] is None
+    assert ratio["naive"] == pytest.approx(60.0) and ratio["sdpa_flash"] == pytest.approx(300 / 280)
+
+
+def test_json_document(tmp_path):
+    records = fabricated_records()
+    document = bench.results_document(records, FAKE_METADATA, {"repeats": 20})
+    path = tmp_path / "bench.json"
+    bench.write_json(document, path)
+    loaded = json.loads(path.read_text())
+    assert loaded == bench.load_json(path)
+    assert set(loaded) == {"schema", "metadata", "config", "fields", "results"}
+    assert loaded["schema"] == bench.SCHEMA
+    assert loaded["metadata"]["device"] == "Fake GPU"
+    assert len(loaded["results"]) == len(records)
+    for record in loaded["results"]:
+        assert set(record) == set(bench.FIELDS)
+        assert record["status"] in ("ok", "OOM", "err", "n/a")
+    bad = tmp_path / "other.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="not a flashcupy bench result"):
+        bench.load_json(bad)
+
+
+def test_table():
+    table = bench.format_table(fabricated_records())
+    assert "fwd bf16  head dim 64 (32 heads)  causal off" in table
+    assert "causal on" in table
+    assert "60.00x" in table and "3.0 MiB" in table
+    assert "OOM" in table and "err[1]" in table
+    assert "[1] sdpa_cudnn, fwd bf16 d=64 seqlen=512: RuntimeError: no kernel" in table
+
+
+def test_git_commit_is_a_hash_or_none():
+    commit = bench.git_commit()
+    assert commit is None or len(commit.removesuffix("-dirty")) == 40
+
+
+def test_plot_from_stored_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.json"
+    records = fabricated_records()
+    bwd = [{**r, "mode": "bwd", "head_dim": 128, "nheads": 16} for r in records]
+    bench.write_json(bench.results_document(records + bwd, FAKE_METADATA, {}), path)
+    png = tmp_path / "bench.png"
+    bench.plot_results(bench.load_json(path), png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bench.plot_results(records, tmp_path / "records.png")  # the bare list works too
+    assert (tmp_path / "records.png").stat().st_size > 0
+
+
+def test_plot_without_matplotlib(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now fails
+    with pytest.raises(bench.MissingDependencyError, match="pip install matplotlib"):
+        bench.plot_results(fabricated_records(), tmp_path / "x.png")
+
+
+def test_bench_command_glue(monkeypatch, tmp_path):
+    """The CLI's sweep with the GPU parts faked: torch note, table, JSON and plot."""
+    monkeypatch.setattr(device, "gpu_available", lambda: True)
+    monkeypatch.setattr(device, "device_info", lambda device_id=None: FAKE_GPU)
+    monkeypatch.setattr(bench, "collect_metadata", lambda: dict(FAKE_METADATA))
+    monkeypatch.setattr(bench, "torch_unavailable_reason", lambda: "torch is not importable")
+    seen = []
+
+    def fake_bench_shape(shape, impls, repeats, warmup):
+        seen.append((shape, impls, repeats, warmup))
+        records = [{**bench.new_record(shape, impl), "ms": 1.0, "tflops": 100.0} for impl in impls]
+        bench.fill_ratios(records)
+        return records
+
+    monkeypatch.setattr(bench, "bench_shape", fake_bench_shape)
+    json_path = tmp_path / "out.json"
+    args = ["bench", "--seqlens", "1k,2k", "--head-dims", "128", "--causal", "on", "--dtype", "bf16",
+            "--dtype", "fp16", "--mode", "fwd,bwd", "--repeats", "3", "--warmup", "1", "--json", str(json_path)]
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert "torch peers skipped (sdpa_flash, sdpa_cudnn): torch is not importable" in result.stderr
+    assert len(seen) == 2 * 2 * 2 and seen[0][1:] == (("flashcupy", "naive"), 3, 1)
+    assert "fwd fp16  head dim 128 (16 heads)  causal on" in result.stdout
+    document = bench.load_json(json_path)
+    assert document["config"]["seqlens"] == [1024, 2048] and document["config"]["causal"] == [True]
+    assert document["config"]["impls"] == ["flashcupy", "naive"]
+    assert len(document["results"]) == 16
+
+    quiet = invoke("bench", "--seqlens", "512", "--peers", "none", "--quiet")
+    assert quiet.exit_code == 0 and quiet.stdout == ""
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        png = tmp_path / "out.png"
+        assert invoke("bench", "--seqlens", "512", "--peers", "none", "--plot", str(png)).exit_code == 0
+        assert png.stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# On the GPU
+# ----------------------------------------------------------------------------------------------
+
+
+@on_gpu
+def test_bench_tiny_gpu(tmp_path):
+    json_path = tmp_path / "tiny.json"
+    result = invoke("bench", "--seqlens", "256", "--head-dims", "64", "--causal", "both", "--repeats", "2",
+                    "--warmup", "1", "--peers", "naive", "--total-tokens", "1024", "--json", str(json_path))
+    assert result.exit_code == 0, result.output
+    assert "flashcupy" in result.stdout and "naive" in result.stdout and "TFLOP/s" in result.stdout
+    records = bench.load_json(json_path)["results"]
+    flash = [r for r in records if r["impl"] == "flashcupy"]
+    assert len(flash) == 2 and all(r["status"] == "ok" and r["tflops"] > 0 for r in flash), flash
+    assert all(r["peak_extra_bytes"] is not None for r in records if r["status"] == "ok")
+    assert all(r["status"] == "ok" and r["ratio"] > 0 for r in records if r["impl"] == "naive"), records
+
+
+@on_gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_naive_attention_matches_reference(dtype, causal):
+    import cupy
+
+    from flashcupy.reference import attention_ref
+
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal(s, dtype=np.float32).astype(bench.numpy_dtype(dtype))
+               for s in ((2, 64, 3, 32), (2, 80, 3, 32), (2, 80, 3, 32)))
+    out = bench.naive_attention(*(cupy.asarray(a) for a in (q, k, v)), causal=causal)
+    assert out.dtype == q.dtype and out.shape == q.shape and out.flags.c_contiguous
+    ref, _ = attention_ref(*(a.astype(np.float64) for a in (q, k, v)), causal=causal)
+    got = cupy.asnumpy(out).astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < cli.FWD_TOL[bench.DTYPES[dtype]]
+
+
+@on_gpu
+def test_info_gpu():
+    result = invoke("info")
+    assert result.exit_code == 0, result.output
+    assert "compute capability" in result.stdout and "fwd d=64" in result.stdout
+
+
+@on_gpu
+def test_check_gpu():
+    result = invoke("check", "--head-dims", "64")
+    assert result.exit_code == 0, result.output
+    assert "FAIL" not in result.stdout and "PASS" in result.stdout
+
+
+@pytest.mark.slow
+@on_gpu
+def test_check_all_variants_gpu():
+    result = invoke("check")
+    assert result.exit_code == 0, result.output
