@@ -109,8 +109,14 @@ struct BwdTraits {
     static constexpr int kDSplit = kNWarps / kKeyGroups;    // warps splitting dK, dV's head dim
     static constexpr int kDPerWarp = kHeadDim / kDSplit;
     static constexpr int kQTiles = kBlockM / 8;             // n8 tiles of S^T along queries
-    // dQ = dS K: warps tile the (kBlockM x kHeadDim) block as 16-row strips x head-dim parts.
-    static constexpr int kDqParts = kNWarps / (kBlockM / 16);
+    // dQ = dS K: warps tile the (kBlockM x kHeadDim) block as strips of kDqMTiles 16-row tiles x
+    // head-dim parts; 32-row strips where the warps allow it (fewer shared-memory loads per mma).
+    static constexpr bool kDqWide = kNWarps % (kBlockM / 32) == 0 && kBlockM % 32 == 0 &&
+                                    (kHeadDim / (kNWarps / (kBlockM / 32))) % 16 == 0 &&
+                                    kNWarps / (kBlockM / 32) <= kHeadDim / 16;
+    static constexpr int kDqMTiles = kDqWide ? 2 : 1;
+    static constexpr int kDqStrips = kBlockM / (16 * kDqMTiles);
+    static constexpr int kDqParts = kNWarps / kDqStrips;
     static constexpr int kDqPerWarp = kHeadDim / kDqParts;
     static constexpr int kPitch = SmemTile<kHeadDim>::kPitch, kPitchS = SmemTile<kBlockM>::kPitch;
     // Shared memory, in bytes; flashcupy/configs.py computes the same number for the launch.
@@ -122,7 +128,7 @@ struct BwdTraits {
     static_assert(kHeadDim % 32 == 0 && kBlockM % 16 == 0 && kBlockN % 16 == 0, "tile shapes");
     static_assert(kNWarps % kKeyGroups == 0 && kHeadDim % kDSplit == 0 && kDPerWarp % 16 == 0,
                   "warps must split keys into 16-row groups and the head dim into 16-column parts");
-    static_assert(kNWarps % (kBlockM / 16) == 0 && kHeadDim % kDqParts == 0 && kDqPerWarp % 16 == 0,
+    static_assert(kNWarps % kDqStrips == 0 && kHeadDim % kDqParts == 0 && kDqPerWarp % 16 == 0,
                   "warps must tile the dQ block");
     static_assert(kStages == 1 || kStages == 2, "one or two stages");
 };
@@ -217,16 +223,16 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
     cp_async_commit();
 
     // Warp roles. Phase 1 (S^T, dP^T, dV, dK): key group `kg` (16 keys), head-dim part `dpart` of
-    // dK, dV. Phase 2 (dQ): 16-row strip `dq_strip` of the q block, head-dim part `dq_part`.
+    // dK, dV. Phase 2 (dQ): row strip `dq_strip` of the q block, head-dim part `dq_part`.
     const int kg = warp % T::kKeyGroups, dpart = warp / T::kKeyGroups;
-    const int dq_strip = warp % (kBlockM / 16), dq_part = warp / (kBlockM / 16);
+    const int dq_strip = warp % T::kDqStrips, dq_part = warp / T::kDqStrips;
     const int d0 = dpart * T::kDPerWarp, dq_d0 = dq_part * T::kDqPerWarp;
     // This lane's ldmatrix addresses; per-fragment offsets below are compile-time constants.
     const u32 sK_a = sK_base + tile_offset<kHeadDim>(16 * kg, 0) + ldsm_lane_offset_a<kHeadDim>(lane);
     const u32 sV_a = sV_base + tile_offset<kHeadDim>(16 * kg, 0) + ldsm_lane_offset_a<kHeadDim>(lane);
     const u32 q_frag_b = ldsm_lane_offset_b<kHeadDim>(lane);                       // Q, dO as B of S^T, dP^T
     const u32 q_frag_t = tile_offset<kHeadDim>(0, d0) + ldsm_lane_offset_a<kHeadDim>(lane);  // ... of dK, dV (.trans)
-    const u32 sdS_t = sdS_base + tile_offset<kBlockM>(0, 16 * dq_strip) + ldsm_lane_offset_b<kBlockM>(lane);
+    const u32 sdS_t = sdS_base + tile_offset<kBlockM>(0, 16 * T::kDqMTiles * dq_strip) + ldsm_lane_offset_b<kBlockM>(lane);
     const u32 sK_t = sK_base + tile_offset<kHeadDim>(0, dq_d0) + ldsm_lane_offset_a<kHeadDim>(lane);
 
     float acc_dk[T::kDPerWarp / 8][4], acc_dv[T::kDPerWarp / 8][4];
@@ -292,13 +298,14 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
         // P^T = exp2(S^T c - LSE log2 e); dS^T = P^T (dP^T - D). A row that saw no key has LSE -inf:
         // using +inf there makes P 0 instead of NaN.
 #pragma unroll
-        for (int nt = 0; nt < T::kQTiles; ++nt)
+        for (int nt = 0; nt < T::kQTiles; ++nt) {
+            const float2 lse_pair = *reinterpret_cast<const float2*>(sLse_s + 8 * nt + 2 * t);
+            const float2 d_pair = *reinterpret_cast<const float2*>(sDelta_s + 8 * nt + 2 * t);
 #pragma unroll
             for (int e1 = 0; e1 < 2; ++e1) {
-                const int col = 8 * nt + 2 * t + e1;
-                const float lse_row = sLse_s[col];
+                const float lse_row = e1 ? lse_pair.y : lse_pair.x;
                 const float lse2 = lse_row == -FC_INF ? FC_INF : lse_row * kLog2e;
-                const float d_row = sDelta_s[col];
+                const float d_row = e1 ? d_pair.y : d_pair.x;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int e = 2 * h + e1;
@@ -307,6 +314,7 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
                     acc_dp[nt][e] = p * (acc_dp[nt][e] - d_row);
                 }
             }
+        }
 
         // dV_j += P^T dO_i and dK_j += dS^T Q_i over this warp's head-dim part; k runs over queries.
 #pragma unroll
@@ -338,22 +346,29 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
             cp_async_commit();
         }
 
-        // dQ_i += dS K_j: this warp's 16 rows x kDqPerWarp columns, k over the block's keys.
-        float acc_dq[T::kDqPerWarp / 8][4];
+        // dQ_i += dS K_j: this warp's rows x kDqPerWarp columns, k over the block's keys.
+        float acc_dq[T::kDqMTiles][T::kDqPerWarp / 8][4];
 #pragma unroll
-        for (int i = 0; i < T::kDqPerWarp / 8; ++i)
+        for (int mt = 0; mt < T::kDqMTiles; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dq[i][e] = 0.f;
+            for (int i = 0; i < T::kDqPerWarp / 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_dq[mt][i][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            u32 a[4];
-            ldmatrix_x4_trans(a, sdS_t + tile_offset<kBlockM>(16 * kk, 0));
+            u32 a[T::kDqMTiles][4];
+#pragma unroll
+            for (int mt = 0; mt < T::kDqMTiles; ++mt)
+                ldmatrix_x4_trans(a[mt], sdS_t + tile_offset<kBlockM>(16 * kk, 16 * mt));
 #pragma unroll
             for (int dp = 0; dp < T::kDqPerWarp / 16; ++dp) {
                 u32 b[4];
                 ldmatrix_x4_trans(b, sK_t + tile_offset<kHeadDim>(16 * kk, 16 * dp));
-                mma_16816<Is_bf16>(acc_dq[2 * dp], a, b[0], b[1]);
-                mma_16816<Is_bf16>(acc_dq[2 * dp + 1], a, b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < T::kDqMTiles; ++mt) {
+                    mma_16816<Is_bf16>(acc_dq[mt][2 * dp], a[mt], b[0], b[1]);
+                    mma_16816<Is_bf16>(acc_dq[mt][2 * dp + 1], a[mt], b[2], b[3]);
+                }
             }
         }
         int* sem = dq_semaphore + (i64(batch) * nheads + head) * num_m_blocks + m_block;
@@ -363,15 +378,17 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
             __syncthreads();
         }
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = row0 + 16 * dq_strip + g + 8 * h;
-            if (row < seqlen_q) {
-                float* dst = gdQ + row * dq_row_stride + dq_d0 + 2 * t;
+        for (int mt = 0; mt < T::kDqMTiles; ++mt)
 #pragma unroll
-                for (int dt = 0; dt < T::kDqPerWarp / 8; ++dt)
-                    red_add_f32x2(dst + 8 * dt, acc_dq[dt][2 * h], acc_dq[dt][2 * h + 1]);
+            for (int h = 0; h < 2; ++h) {
+                const int row = row0 + 16 * (T::kDqMTiles * dq_strip + mt) + g + 8 * h;
+                if (row < seqlen_q) {
+                    float* dst = gdQ + row * dq_row_stride + dq_d0 + 2 * t;
+#pragma unroll
+                    for (int dt = 0; dt < T::kDqPerWarp / 8; ++dt)
+                        red_add_f32x2(dst + 8 * dt, acc_dq[mt][dt][2 * h], acc_dq[mt][dt][2 * h + 1]);
+                }
             }
-        }
         if (Is_deterministic) {
             __threadfence();
             __syncthreads();

@@ -97,11 +97,13 @@ class BwdTile:
 
 
 # Backward tiles by head dim. Warps past block_n / 16 split the head dim of dK, dV (192, 256).
+# Measured on an H200 against the alternatives in BENCHMARKS.md's notes: at d = 64 a 128-row q block
+# beats 64; at d = 128 one Q/dO stage beats two (less shared memory, same speed non-causal, ~5% causal).
 _BWD_TILES_SM80 = {
     32: BwdTile(128, 128, 8, 2),
-    64: BwdTile(64, 128, 8, 2),
-    96: BwdTile(64, 128, 8, 2),
-    128: BwdTile(64, 128, 8, 2),
+    64: BwdTile(128, 128, 8, 2),
+    96: BwdTile(64, 128, 8, 1),
+    128: BwdTile(64, 128, 8, 1),
     192: BwdTile(64, 64, 8, 1),
     256: BwdTile(64, 64, 8, 1),
 }

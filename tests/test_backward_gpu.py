@@ -35,7 +35,12 @@ def run_backward(q, k, v, causal, dtype_name, deterministic=False, softmax_scale
         assert g.shape == like.shape and g.dtype == like.dtype
         host = to_host64(g)
         assert not np.isnan(host).any(), f"{name}: unwritten (poisoned) or NaN elements"
-        errs[name] = rel_err(host, ref) if np.linalg.norm(ref) > 0 else float(np.abs(host).max())
+        if name != "dv" and k.shape[1] == 1:
+            # one key: softmax is constant, so dq = dk = 0 exactly and only rounding is left;
+            # bound it against the size of dv instead of a relative error against zero.
+            errs[name] = float(np.linalg.norm(host) / np.linalg.norm(refs[2]))
+        else:
+            errs[name] = rel_err(host, ref)
         assert errs[name] < GRAD_TOL[dtype_name], f"{name} relative error {errs[name]:.2e}"
     cupy.cuda.Device().synchronize()
     return grads, errs

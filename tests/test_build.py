@@ -6,11 +6,17 @@ from flashcupy import build, configs
 
 
 def _variants():
-    seen = {}
+    seen = {}  # the dispatcher's choices on Ampere (large and small shared memory) and Hopper
     for capability in (80, 86, 90):
-        for v in configs.all_fwd_variants(capability):
+        for v in configs.all_fwd_variants(capability) + configs.all_bwd_variants(capability):
             seen[v] = None
     return list(seen)
+
+
+def test_every_kernel_family_is_covered():
+    names = {v.name_expression.split("<")[0] for v in _variants()}
+    assert names == {"flash_fwd_kernel", "flash_bwd_kernel", "flash_bwd_preprocess_kernel",
+                     "flash_bwd_convert_dq_kernel"}
 
 
 def test_sources_inline_their_headers():

@@ -18,6 +18,40 @@ def test_every_variant_fits_shared_memory(capability):
         assert t.block_m % (16 * t.num_warps) == 0 and t.block_n % 16 == 0
 
 
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_every_backward_variant_fits(capability):
+    limit = configs.smem_limit(capability)
+    for v in configs.all_bwd_variants(capability):
+        assert v.smem_bytes <= limit, f"{v} needs {v.smem_bytes} B of shared memory, {limit} available"
+        if isinstance(v, configs.BwdVariant):
+            t = v.tile
+            key_groups = t.block_n // 16
+            assert t.num_warps % key_groups == 0 and (v.head_dim // (t.num_warps // key_groups)) % 16 == 0
+            dq_parts = t.num_warps // (t.block_m // 16)
+            assert t.num_warps % (t.block_m // 16) == 0 and (v.head_dim // dq_parts) % 16 == 0
+
+
+def test_backward_plans_cover_rows_and_keys():
+    v = configs.bwd_variant(128, "bfloat16", True, True, 90)
+    plans = launch.plan_backward(v, batch=3, nheads=5, seqlen_q=1000, seqlen_k=777)
+    num_n = -(-777 // v.tile.block_n)
+    assert plans.main.grid == (num_n * 5 * 3, 1, 1) and plans.main.smem_bytes == v.smem_bytes
+    assert plans.preprocess.grid[0] * launch.PREPROCESS_ROWS_PER_BLOCK >= 3 * 5 * 1000
+    assert plans.convert_dq.grid[0] * launch.CONVERT_THREADS * 8 >= 3 * 1000 * 5 * 128
+    assert plans.semaphores == (3, 5, -(-1000 // v.tile.block_m))
+    blocks = {launch.block_coords(x, plans.main.grid[0], num_n, 5, True, False) for x in range(plans.main.grid[0])}
+    assert blocks == {(n, h, b) for n in range(num_n) for h in range(5) for b in range(3)}
+    # causal: key block 0 (the one every q block sees) of every head goes first
+    assert [launch.block_coords(x, plans.main.grid[0], num_n, 5, True, False)[0] for x in range(15)] == [0] * 15
+
+
+def test_backward_name_expression():
+    v = configs.bwd_variant(64, "float16", False, True, 90)
+    t = v.tile
+    assert v.name_expression == (f"flash_bwd_kernel<64, {t.block_m}, {t.block_n}, {t.num_warps}, {t.stages}, "
+                                 "false, false, true>")
+
+
 def test_smem_limit_falls_back_to_smaller_tile():
     big = configs.fwd_tile(256, 90)
     small = configs.fwd_tile(256, 86)

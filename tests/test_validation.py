@@ -122,3 +122,8 @@ def test_unknown_object_refused():
 
     with pytest.raises(TypeError, match="q must be a CuPy array"):
         flashcupy.flash_attn_func([[1.0]], None, None)
+
+
+def test_empty_arrays_pass_layout_checks():
+    q = spec((0, 16, 2, 64), strides=(0, 0, 0, 0))
+    check_forward_inputs(q, q, q, None)
