@@ -1,4 +1,4 @@
-"""Command line of flashcupy: `flashcupy bench | check | info`.
+"""Command line of flashcupy: `flashcupy bench | check | compile | info`.
 
 Every command that needs a GPU checks for one first and, without one, says so in one line on
 stderr and exits with status 2.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
+import time
 
 import click
 import numpy as np
@@ -84,7 +84,7 @@ def _parse_peers(ctx, param, values):
     return peers
 
 
-_CAUSAL = {"off": (False,), "on": (True,), "both": (False, True)}
+_OFF_ON = {"off": (False,), "on": (True,), "both": (False, True)}  # --causal, --deterministic
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,6 +123,47 @@ def _capability(info) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# The kernel variants this device can use
+# ----------------------------------------------------------------------------------------------
+
+BWD_HELPER_KERNELS = ("flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel")
+
+
+def fwd_variants(capability, smem_optin=None, head_dims=configs.SUPPORTED_HEAD_DIMS,
+                 dtypes=configs.DTYPE_NAMES, causals=(False, True)) -> list:
+    """Forward variants the dispatcher picks, in configs.all_fwd_variants' order.
+
+    With the device's opt-in shared memory the tiles are the ones flash_attn_func takes there;
+    without it, those of the capability's nominal limit (what all_fwd_variants gives).
+    """
+    return [configs.fwd_variant(d, dt, c, capability, smem_optin)
+            for d in head_dims for dt in dtypes for c in causals]
+
+
+def bwd_variants(capability, smem_optin=None, head_dims=configs.SUPPORTED_HEAD_DIMS,
+                 dtypes=configs.DTYPE_NAMES, causals=(False, True), deterministic=(False, True)) -> list:
+    """Backward kernels (main, then preprocess and dQ convert), as configs.all_bwd_variants lists them."""
+    mains = [configs.bwd_variant(d, dt, c, det, capability, smem_optin)
+             for d in head_dims for dt in dtypes for c in causals for det in deterministic]
+    helpers = [configs.BwdHelperVariant(kernel, d, dt) for kernel in BWD_HELPER_KERNELS
+               for d in head_dims for dt in dtypes]
+    return mains + helpers
+
+
+def _cached_names(info) -> set[str]:
+    """Name expressions the index says CuPy's disk cache holds for this device's arch."""
+    return {e["name_expression"] for e in build.cached_variants(build.device_arch(info.capability))}
+
+
+def _record_process_kernels(info) -> None:
+    """Add the kernels this process compiled on the device to the cache index."""
+    arch = build.device_arch(info.capability)
+    for device_id, variant in build.compiled_variants():
+        if device_id == info.id:
+            build.record_compiled(variant, arch)
+
+
+# ----------------------------------------------------------------------------------------------
 # Commands
 # ----------------------------------------------------------------------------------------------
 
@@ -138,11 +179,11 @@ def main():
               callback=_parse_seqlens, help="Sequence lengths, comma list; 1k = 1024.")
 @click.option("--head-dims", multiple=True, default=("64,128",), show_default=True, callback=_parse_head_dims,
               help="Head dims, comma list; nheads = hidden // head dim.")
-@click.option("--causal", type=click.Choice(sorted(_CAUSAL)), default="both", show_default=True,
+@click.option("--causal", type=click.Choice(sorted(_OFF_ON)), default="both", show_default=True,
               help="Causal mask off, on, or both.")
 @click.option("--dtype", "dtypes", multiple=True, default=("bf16",), show_default=True,
               callback=_choices(tuple(bench.DTYPES)), help="bf16 and/or fp16; repeat or comma list.")
-@click.option("--mode", "modes", multiple=True, default=("fwd",), show_default=True,
+@click.option("--mode", "modes", multiple=True, default=(",".join(bench.DEFAULT_MODES),), show_default=True,
               callback=_choices(bench.MODES), help="fwd, bwd, fwdbwd; comma list.")
 @click.option("--total-tokens", type=click.IntRange(min=1), default=bench.DEFAULT_TOTAL_TOKENS,
               show_default=True, help="batch = total tokens // seqlen (at least 1).")
@@ -166,7 +207,7 @@ def bench_command(ctx, seqlens, head_dims, causal, dtypes, modes, total_tokens, 
         if hidden % d:
             raise click.BadParameter(f"{hidden} is not a multiple of head dim {d}; e.g. --hidden 2048",
                                      ctx=ctx, param_hint="'--hidden'")
-    _require_gpu(ctx)
+    info = _require_gpu(ctx)
     if plot_path:  # fail now rather than after the sweep
         try:
             bench.require_matplotlib()
@@ -181,7 +222,7 @@ def bench_command(ctx, seqlens, head_dims, causal, dtypes, modes, total_tokens, 
             peers = tuple(p for p in peers if p not in bench.TORCH_PEERS)
     impls = ("flashcupy",) + peers
 
-    shapes = bench.sweep_shapes(seqlens, head_dims, _CAUSAL[causal], dtypes, modes, total_tokens, hidden)
+    shapes = bench.sweep_shapes(seqlens, head_dims, _OFF_ON[causal], dtypes, modes, total_tokens, hidden)
     metadata = bench.collect_metadata()
     if not quiet:
         click.echo(f"{metadata['device']} (sm {metadata['compute_capability']}), CUDA driver "
@@ -195,8 +236,9 @@ def bench_command(ctx, seqlens, head_dims, causal, dtypes, modes, total_tokens, 
                                item_show_func=lambda s: str(s) if s else None) as bar:
             records = bench.run_sweep(bar, impls, repeats, warmup)
         click.echo(bench.format_table(records))
+    _record_process_kernels(info)
 
-    config = {"seqlens": list(seqlens), "head_dims": list(head_dims), "causal": list(_CAUSAL[causal]),
+    config = {"seqlens": list(seqlens), "head_dims": list(head_dims), "causal": list(_OFF_ON[causal]),
               "dtypes": list(dtypes), "modes": list(modes), "total_tokens": total_tokens, "hidden": hidden,
               "impls": list(impls), "repeats": repeats, "warmup": warmup}
     document = bench.results_document(records, metadata, config)
@@ -210,19 +252,17 @@ def bench_command(ctx, seqlens, head_dims, causal, dtypes, modes, total_tokens, 
             click.echo(f"wrote {plot_path}", err=True)
 
 
-def kernel_cache_dir() -> Path:
-    """Where CuPy keeps compiled kernels on disk."""
-    return Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
-
-
 @main.command("info")
+@click.option("--verbose", "-v", is_flag=True, help="List the backward kernels too, not only the forward ones.")
 @click.pass_context
-def info_command(ctx):
-    """The GPU, the software stack and the kernel each head dim takes here."""
+def info_command(ctx, verbose):
+    """The GPU, the software stack, the kernel each head dim takes here, and which are compiled on disk."""
     info = _require_gpu(ctx)
     versions = bench.software_versions()
-    cache = kernel_cache_dir()
-    cached = f"{sum(1 for _ in cache.iterdir())} files" if cache.is_dir() else "empty"
+    cache = build.cache_dir()
+    files = f"{sum(1 for _ in cache.iterdir())} files" if cache.is_dir() else "empty"
+    if not build.disk_cache_enabled():
+        files += "; CUPY_CACHE_IN_MEMORY=1, so nothing is written there"
     rows = [
         ("GPU", f"{info.name} (device {info.id})"),
         ("compute capability", _capability(info)),
@@ -234,22 +274,115 @@ def info_command(ctx):
         ("CuPy", versions["cupy"]),
         ("NVRTC", versions["nvrtc"]),
         ("flashcupy", flashcupy.__version__),
-        ("kernel cache", f"{cache} ({cached})"),
+        ("kernel cache", f"{cache} ({files})"),
     ]
     for key, value in rows:
         click.echo(f"{key + ':':<22}{value if value is not None else 'unknown'}")
 
-    click.echo("forward kernels the dispatcher picks here:")
     try:
-        variants = configs.all_fwd_variants(info.capability)
+        forward = fwd_variants(info.capability, info.smem_per_block_optin)
+        backward = bwd_variants(info.capability, info.smem_per_block_optin)
     except ValueError as exc:  # e.g. a GPU older than sm_80
-        click.echo(f"  none: {exc}")
-        variants = []
-    for variant in variants:
-        click.echo(f"  {variant}")
+        click.echo(f"kernels: none: {exc}")
+        forward = backward = []
+    cached = _cached_names(info)
+    counts = [sum(v.name_expression in cached for v in vs) for vs in (forward, backward)]
+    missing = len(forward) + len(backward) - sum(counts)
+    click.echo(f"{'compiled on disk:':<22}{sum(counts)} of {len(forward) + len(backward)} flashcupy kernels "
+               f"this GPU can use (fwd {counts[0]} of {len(forward)}, bwd {counts[1]} of {len(backward)})"
+               + ("; `flashcupy compile` builds the rest" if missing else ""))
+
+    def listing(title, variants):
+        if variants:
+            click.echo(title)
+        for variant in variants:
+            click.echo(f"  {variant}" + ("  [on disk]" if variant.name_expression in cached else ""))
+
+    listing("forward kernels the dispatcher picks here:", forward)
+    if verbose:
+        listing("backward kernels the dispatcher picks here:", backward)
     compiled = build.compiled_variants()
     click.echo("compiled in this process: " + (", ".join(f"{v} (device {d})" for d, v in compiled)
                                                if compiled else "none"))
+
+
+def _default_jobs() -> int:
+    return min(os.cpu_count() or 1, 8)
+
+
+@main.command("compile")
+@click.option("--head-dims", multiple=True, default=(",".join(map(str, configs.SUPPORTED_HEAD_DIMS)),),
+              show_default=True, callback=_parse_head_dims, help="Head dims, comma list.")
+@click.option("--dtype", "dtypes", multiple=True, default=(",".join(bench.DTYPES),), show_default=True,
+              callback=_choices(tuple(bench.DTYPES)), help="bf16 and/or fp16; repeat or comma list.")
+@click.option("--direction", type=click.Choice(["fwd", "bwd", "all"]), default="all", show_default=True,
+              help="Forward kernels, backward kernels, or both.")
+@click.option("--causal", type=click.Choice(sorted(_OFF_ON)), default="both", show_default=True,
+              help="Causal variants off, on, or both.")
+@click.option("--deterministic", type=click.Choice(sorted(_OFF_ON)), default="both", show_default=True,
+              help="Backward: variants with deterministic dQ off, on, or both.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=_default_jobs, show_default="min(CPUs, 8)",
+              help="Compiler processes run in parallel.")
+@click.pass_context
+def compile_command(ctx, head_dims, dtypes, direction, causal, deterministic, jobs):
+    """Compile kernel variants ahead of time into CuPy's on-disk cache.
+
+    Without options: every variant this GPU can use. Afterwards the first call of a variant in a
+    new process loads it from disk in milliseconds instead of compiling it (about a second each).
+    Exit status 1 when a variant fails to compile.
+    """
+    info = _require_gpu(ctx)
+    if not build.disk_cache_enabled():
+        raise click.ClickException("CUPY_CACHE_IN_MEMORY=1 keeps compiled kernels off the disk; unset it "
+                                   "to compile ahead of time")
+    # The variants are chosen here, from this device's opt-in shared memory, and handed to the
+    # workers as they are: every worker builds exactly what flash_attn_func will ask for.
+    names = tuple(bench.DTYPES[d] for d in dtypes)
+    choice = {"head_dims": head_dims, "dtypes": names, "causals": _OFF_ON[causal]}
+    try:
+        variants = []
+        if direction in ("fwd", "all"):
+            variants += fwd_variants(info.capability, info.smem_per_block_optin, **choice)
+        if direction in ("bwd", "all"):
+            variants += bwd_variants(info.capability, info.smem_per_block_optin,
+                                     deterministic=_OFF_ON[deterministic], **choice)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    arch = build.device_arch(info.capability)
+    cached = _cached_names(info)
+    jobs = min(jobs, len(variants))
+    click.echo(f"{info.name} (sm {_capability(info)}): {len(variants)} kernels, "
+               f"{sum(v.name_expression in cached for v in variants)} already compiled on disk, "
+               f"{jobs} processes, cache {build.cache_dir()}")
+
+    results = {}
+    start = time.perf_counter()
+    with click.progressbar(length=len(variants), label="compile", file=sys.stderr,
+                           item_show_func=lambda v: str(v) if v else None) as bar:
+        for variant, seconds, error in build.compile_in_processes(variants, jobs, info.id):
+            results[variant] = (seconds, error)
+            if error is None:
+                build.record_compiled(variant, arch, seconds)
+            bar.update(1, variant)
+    wall = time.perf_counter() - start
+
+    width = max(len(str(v)) for v in variants)
+    click.echo(f"{'kernel':<{width}} {'seconds':>8}  result")
+    failures = []
+    for variant in variants:
+        seconds, error = results[variant]
+        if error is None:
+            click.echo(f"{str(variant):<{width}} {seconds:>8.2f}  ok")
+        else:
+            failures.append((variant, error))
+            click.echo(f"{str(variant):<{width}} {'-':>8}  FAIL[{len(failures)}]")
+    for n, (variant, error) in enumerate(failures, 1):
+        click.echo(f"[{n}] {variant}: {error}", err=True)
+    busy = sum(seconds for seconds, error in results.values() if error is None)
+    click.echo(f"compile: {len(variants) - len(failures)} of {len(variants)} kernels in {wall:.1f} s "
+               f"({busy:.1f} s of compiling in {jobs} processes)" + (f", {len(failures)} FAIL" if failures else ""))
+    if failures:
+        ctx.exit(1)
 
 
 @main.command("check")
@@ -265,7 +398,7 @@ def check_command(ctx, head_dims, seed):
     """
     info = _require_gpu(ctx)
     try:
-        variants = [v for v in configs.all_fwd_variants(info.capability) if v.head_dim in head_dims]
+        variants = fwd_variants(info.capability, info.smem_per_block_optin, head_dims=head_dims)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     backward = getattr(flashcupy, "flash_attn_backward", None)
@@ -290,6 +423,7 @@ def check_command(ctx, head_dims, seed):
                 click.echo(f"{name:<62} {f'{seqlen_q}x{seqlen_k}':>9} {cells}  {'PASS' if ok else 'FAIL'}")
     if not backward:
         click.echo("backward: skipped (flashcupy has no flash_attn_backward yet)")
+    _record_process_kernels(info)
     click.echo(f"check: {total - failures} of {total} cases pass" + (f", {failures} FAIL" if failures else ""))
     if failures:
         ctx.exit(1)

@@ -9,8 +9,7 @@
 // (FA2 Algorithm 2), with c = softmax_scale * log2(e):
 //
 //   load K_j, V_j once; dK_j = dV_j = 0 (registers)
-//   for i = first q block that sees block j .. last:      // causal: blocks above the diagonal skipped;
-//                                                          // the order is rotated per key block
+//   for i = first q block that sees block j .. last:      // causal: blocks above the diagonal skipped
 //       load Q_i, dO_i, LSE_i, D_i (prefetched one block ahead when kStages == 2)
 //       S^T  = K_j Q_i^T                                   // keys x queries
 //       P^T  = exp2(S^T * c - LSE_i * log2(e))             // masked where j straddles an edge
@@ -207,19 +206,10 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
         }
     };
 
-    // The key blocks of one head would otherwise walk the q blocks in lockstep and pile their dQ
-    // atomics onto the same rows; each starts at its own offset instead (rotating the order). The
-    // deterministic mode keeps the plain order, which its semaphores rely on.
     const int m_count = num_m_blocks - m_block_min;
-    const int m_rot = Is_deterministic || m_count <= 0 ? 0 : int(i64(n_block) * m_count / num_n_blocks);
-    auto m_block_at = [&](int it) {
-        const int x = it + m_rot;
-        return m_block_min + (x >= m_count ? x - m_count : x);
-    };
-
     k_loader.load(sK_base, gK, keys_valid);
     v_loader.load(sV_base, gV, keys_valid);
-    if (m_count > 0) load_q_block(m_block_at(0), 0);
+    if (m_count > 0) load_q_block(m_block_min, 0);
     cp_async_commit();
 
     // Warp roles. Phase 1 (S^T, dP^T, dV, dK): key group `kg` (16 keys), head-dim part `dpart` of
@@ -242,7 +232,7 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
         for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
 
     for (int it = 0; it < m_count; ++it) {
-        const int m_block = m_block_at(it);
+        const int m_block = m_block_min + it;
         const bool has_next = it + 1 < m_count;
         const int stage = kStages == 2 ? it & 1 : 0;
         const int row0 = m_block * kBlockM;
@@ -252,7 +242,7 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
         cp_async_wait<0>();
         __syncthreads();  // Q_i, dO_i (and K_j, V_j) landed; the previous block's dQ reads of dS^T are done
         if (kStages == 2 && has_next) {
-            load_q_block(m_block_at(it + 1), stage ^ 1);
+            load_q_block(m_block + 1, stage ^ 1);
             cp_async_commit();
         }
 
@@ -342,7 +332,7 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
         }
         __syncthreads();  // dS^T complete; every warp is done reading Q_i, dO_i
         if (kStages == 1 && has_next) {  // single buffer: refill it under the dQ work
-            load_q_block(m_block_at(it + 1), 0);
+            load_q_block(m_block + 1, 0);
             cp_async_commit();
         }
 

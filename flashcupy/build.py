@@ -8,8 +8,14 @@ served a stale binary.
 
 from __future__ import annotations
 
+import datetime
+import hashlib
+import json
+import os
 import re
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).resolve().parent.parent / "cuda_src"
@@ -99,3 +105,175 @@ def get_kernel(variant):
 def compiled_variants() -> list:
     """Variants compiled in this process, as (device id, variant) pairs."""
     return sorted(_kernels, key=str)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ahead-of-time compiles and the index of what CuPy's disk cache holds
+# ----------------------------------------------------------------------------------------------
+
+INDEX_NAME = "flashcupy-index.json"
+INDEX_SCHEMA = "flashcupy-index/1"
+
+
+def cache_dir() -> Path:
+    """CuPy's on-disk kernel cache, as CuPy finds it: CUPY_CACHE_DIR, else ~/.cupy/kernel_cache."""
+    return Path(os.environ.get("CUPY_CACHE_DIR") or Path.home() / ".cupy" / "kernel_cache")
+
+
+def disk_cache_enabled() -> bool:
+    """False when CUPY_CACHE_IN_MEMORY=1: CuPy then keeps compiled kernels off the disk."""
+    value = os.environ.get("CUPY_CACHE_IN_MEMORY", "")
+    try:  # read as CuPy reads it: an integer equal to 1 turns it on, anything else leaves it off
+        return int(value) != 1
+    except ValueError:
+        return True
+
+
+def device_arch(capability: int) -> str:
+    """Label of the architecture a device compiles for, e.g. 90 -> "sm_90" (the index's key)."""
+    return f"sm_{capability}"
+
+
+def _nvrtc_version() -> str:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        return "{}.{}".format(*nvrtc.getVersion())
+    except Exception:  # no CuPy or no NVRTC: such an entry can only match another like it
+        return "unknown"
+
+
+def source_hash(source: str, arch: str) -> str:
+    """sha256 of what decides the binary besides the name expression: the inlined source text,
+    the NVRTC options and version, and the arch. CuPy's cache key changes with each of them."""
+    parts = (load_source(source), " ".join(NVRTC_OPTIONS), arch, _nvrtc_version())
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _index_key(name_expression: str, arch: str) -> str:
+    return f"{arch} {name_expression}"
+
+
+def read_index() -> dict:
+    """Entries of the index by key; {} when the file is missing, unreadable or not an index."""
+    try:
+        document = json.loads((cache_dir() / INDEX_NAME).read_text())
+    except (OSError, ValueError):  # ValueError covers JSON and Unicode decode errors
+        return {}
+    if not isinstance(document, dict) or document.get("schema") != INDEX_SCHEMA:
+        return {}
+    entries = document.get("entries")
+    if not isinstance(entries, dict):
+        return {}
+    return {k: e for k, e in entries.items() if isinstance(e, dict)}
+
+
+def _write_index(entries: dict) -> None:
+    """Replace the index in one step: readers see the old file or the new one, never half of it."""
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"schema": INDEX_SCHEMA, "entries": entries}, indent=1, sort_keys=True) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=INDEX_NAME + ".", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, folder / INDEX_NAME)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def record_compiled(variant, arch: str, seconds: float | None = None) -> dict | None:
+    """Note in the index that CuPy's disk cache now holds `variant` compiled for `arch`.
+
+    Returns the entry, or None when CuPy keeps kernels in memory only. The index is a hint for
+    `flashcupy info`: two processes writing at once can lose an entry, never corrupt the file.
+    """
+    if not disk_cache_enabled():
+        return None
+    entry = {
+        "name_expression": variant.name_expression,
+        "variant": str(variant),
+        "source": variant.source,
+        "arch": arch,
+        "sha256": source_hash(variant.source, arch),
+        "compiled_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "seconds": None if seconds is None else round(float(seconds), 3),
+    }
+    entries = read_index()
+    entries[_index_key(variant.name_expression, arch)] = entry
+    _write_index(entries)
+    return entry
+
+
+def cached_variants(arch: str | None = None) -> list[dict]:
+    """Index entries (for `arch`, or all) whose source hash still matches the current sources."""
+    hashes: dict = {}
+
+    def current(source, entry_arch):
+        if (source, entry_arch) not in hashes:
+            try:
+                hashes[source, entry_arch] = source_hash(source, entry_arch)
+            except OSError:  # a source file that no longer exists
+                hashes[source, entry_arch] = None
+        return hashes[source, entry_arch]
+
+    entries = []
+    for entry in read_index().values():
+        fields = [entry.get(k) for k in ("name_expression", "source", "arch", "sha256")]
+        if not all(isinstance(f, str) for f in fields):  # hand-edited or from another version
+            continue
+        _, source, entry_arch, digest = fields
+        if (arch is None or entry_arch == arch) and digest == current(source, entry_arch):
+            entries.append(entry)
+    return sorted(entries, key=lambda e: (e["arch"], e["name_expression"]))
+
+
+def compile_for_cache(variant, device_id: int | None = None) -> float:
+    """Compile `variant` for a device through get_kernel, so CuPy stores the cubin on disk.
+
+    Returns the seconds it took: an NVRTC compile, or milliseconds when the disk cache had it.
+    """
+    import cupy
+
+    if device_id is not None:
+        cupy.cuda.Device(device_id).use()
+    start = time.perf_counter()
+    get_kernel(variant)
+    return time.perf_counter() - start
+
+
+def _compile_job(variant, device_id):
+    """Body of a worker process: (seconds, None) or (None, error text); nothing is raised, so an
+    exception that does not pickle cannot take the pool down."""
+    try:
+        return compile_for_cache(variant, device_id), None
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def compile_in_processes(variants, jobs: int, device_id: int | None = None):
+    """Compile `variants` in `jobs` worker processes; yield (variant, seconds, error) as each ends.
+
+    Workers are spawned, not forked: a forked child cannot use its parent's CUDA state. Each one
+    compiles into CuPy's disk cache (the workers inherit CUPY_CACHE_DIR), where later processes
+    find the kernels.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    variants = list(variants)
+    if not variants:
+        return
+    pool = ProcessPoolExecutor(max_workers=max(1, min(jobs, len(variants))),
+                               mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = {pool.submit(_compile_job, v, device_id): v for v in variants}
+        for future in as_completed(futures):
+            try:
+                seconds, error = future.result()
+            except Exception as exc:  # BrokenProcessPool: a worker died (killed, or crashed)
+                seconds, error = None, f"{type(exc).__name__}: {exc}"
+            yield futures[future], seconds, error
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

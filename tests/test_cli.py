@@ -57,7 +57,7 @@ FAKE_METADATA = {"device": "Fake GPU", "compute_capability": "9.0", "cuda_driver
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [[], ["bench"], ["info"], ["check"]])
+@pytest.mark.parametrize("command", [[], ["bench"], ["info"], ["check"], ["compile"]])
 def test_help(command):
     result = invoke(*command, "--help")
     assert result.exit_code == 0, result.output
@@ -115,13 +115,13 @@ def assert_no_gpu_exit(result):
     assert isinstance(result.exception, SystemExit)
 
 
-@pytest.mark.parametrize("command", [["bench"], ["info"], ["check"]])
+@pytest.mark.parametrize("command", [["bench"], ["info"], ["check"], ["compile"]])
 def test_no_gpu_simulated(monkeypatch, command):
     monkeypatch.setattr(device, "gpu_available", lambda: False)
     assert_no_gpu_exit(invoke(*command))
 
 
-@pytest.mark.parametrize("command", [["bench"], ["info"], ["check"]])
+@pytest.mark.parametrize("command", [["bench"], ["info"], ["check"], ["compile"]])
 def test_device_info_failure_is_no_gpu(monkeypatch, command):
     def no_device(device_id=None):
         raise NoGPUError("no usable CUDA GPU: cudaErrorNoDevice")
@@ -134,7 +134,7 @@ def test_device_info_failure_is_no_gpu(monkeypatch, command):
 
 
 @pytest.mark.skipif(device.gpu_available(), reason="this machine has a GPU")
-@pytest.mark.parametrize("command", [["bench", "--seqlens", "256"], ["info"], ["check"]])
+@pytest.mark.parametrize("command", [["bench", "--seqlens", "256"], ["info"], ["check"], ["compile"]])
 def test_no_gpu_real(command):
     assert_no_gpu_exit(invoke(*command))
 
@@ -183,6 +183,50 @@ def test_failures_become_cells(monkeypatch):
 
     monkeypatch.setattr(bench, "make_inputs", oom)
     assert {r["status"] for r in bench.bench_shape(shape, ("naive",))} == {"OOM"}
+
+
+class FakeFlashcupy:
+    """Stands in for flashcupy's entry points and counts the calls a bench step makes."""
+
+    def __init__(self):
+        self.calls = []
+
+    def flash_attn_func(self, q, k, v, causal=False, return_lse=False):
+        self.calls.append("fwd")
+        return ("out", "lse") if return_lse else "out"
+
+    def flash_attn_backward(self, dout, q, k, v, out, lse, causal=False):
+        assert (out, lse) == ("out", "lse")
+        self.calls.append("bwd")
+        return "dq", "dk", "dv"
+
+
+@pytest.mark.parametrize("mode, at_setup, per_step", [("fwd", [], ["fwd"]), ("bwd", ["fwd"], ["bwd"]),
+                                                      ("fwdbwd", [], ["fwd", "bwd"])])
+def test_flashcupy_step_times_what_the_mode_names(monkeypatch, mode, at_setup, per_step):
+    """bwd: the forward runs once while the step is built, and each timed step is the backward alone."""
+    import flashcupy
+
+    fake = FakeFlashcupy()
+    monkeypatch.setattr(flashcupy, "flash_attn_func", fake.flash_attn_func)
+    monkeypatch.setattr(flashcupy, "flash_attn_backward", fake.flash_attn_backward)
+    shape = bench.sweep_shapes(seqlens=(256,), head_dims=(64,), causal=(True,), modes=(mode,))[0]
+    step = bench._make_step("flashcupy", shape, ("q", "k", "v", "dout" if mode != "fwd" else None))
+    assert fake.calls == at_setup
+    step()
+    step()
+    assert fake.calls == at_setup + per_step * 2
+
+
+def test_bench_default_modes(monkeypatch):
+    monkeypatch.setattr(device, "gpu_available", lambda: True)
+    monkeypatch.setattr(device, "device_info", lambda device_id=None: FAKE_GPU)
+    monkeypatch.setattr(bench, "collect_metadata", lambda: dict(FAKE_METADATA))
+    seen = []
+    monkeypatch.setattr(bench, "bench_shape", lambda shape, impls, repeats, warmup: seen.append(shape) or [])
+    result = invoke("bench", "--seqlens", "512", "--head-dims", "64", "--causal", "off", "--peers", "none", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert [s.mode for s in seen] == ["fwd", "bwd", "fwdbwd"]
 
 
 def test_naive_has_no_backward(monkeypatch):

@@ -1,0 +1,366 @@
+"""`flashcupy compile` and the cache index behind `flashcupy info`: options, variant lists, the
+index file and the command's glue on the CPU; a real compile into a fresh cache on the GPU."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+from click.testing import CliRunner
+
+import cli
+from flashcupy import build, configs, device
+from flashcupy.device import DeviceInfo
+from gpu_helpers import requires_gpu
+
+FAKE_GPU = DeviceInfo(id=0, name="Fake GPU", capability=90, sm_count=132, smem_per_block_optin=227 * 1024,
+                      total_memory=80 * 2**30)
+ALL_KERNELS = 24 + 72  # per device: fwd (6 head dims x 2 dtypes x 2 causal), bwd (48 main + 24 helpers)
+
+
+def on_gpu(test):
+    for mark in requires_gpu:
+        test = mark(test)
+    return test
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli.main, list(args))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh, empty CuPy cache dir for the index."""
+    path = tmp_path / "kernel_cache"
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(path))
+    monkeypatch.delenv("CUPY_CACHE_IN_MEMORY", raising=False)
+    return path
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    monkeypatch.setattr(device, "gpu_available", lambda: True)
+    monkeypatch.setattr(device, "device_info", lambda device_id=None: FAKE_GPU)
+    return FAKE_GPU
+
+
+def fake_variants(**choice):
+    """The variants the fake GPU uses, as the commands pick them."""
+    return (cli.fwd_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin, **choice)
+            + cli.bwd_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin, **choice))
+
+
+# ----------------------------------------------------------------------------------------------
+# Help and option validation (CPU)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_compile_help_lists_options():
+    result = invoke("compile", "--help")
+    assert result.exit_code == 0, result.output
+    for option in ("--head-dims", "--dtype", "--direction", "--causal", "--deterministic", "--jobs"):
+        assert option in result.output
+
+
+@pytest.mark.parametrize("args, hint", [
+    (["--head-dims", "48"], "choose from 32, 64"),
+    (["--dtype", "fp32"], "bf16, fp16"),
+    (["--dtype", ","], "at least one"),
+    (["--direction", "sideways"], "'sideways' is not one of"),
+    (["--causal", "maybe"], "'maybe' is not one of"),
+    (["--deterministic", "yes"], "'yes' is not one of"),
+    (["--jobs", "0"], "x>=1"),
+    (["--jobs", "many"], "not a valid integer"),
+])
+def test_compile_bad_options_are_usage_errors(args, hint):
+    result = invoke("compile", *args)
+    assert result.exit_code == 2, result.output
+    assert "Usage:" in result.output and hint in result.output
+    assert "no CUDA GPU" not in result.output  # options are checked before the GPU
+
+
+def test_info_has_verbose_option():
+    assert "--verbose" in invoke("info", "--help").output
+
+
+# ----------------------------------------------------------------------------------------------
+# The variants a device can use (CPU)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("capability", [80, 86, 89, 90])
+def test_variant_lists_match_configs_without_opt_in(capability):
+    assert cli.fwd_variants(capability) == configs.all_fwd_variants(capability)
+    assert cli.bwd_variants(capability) == configs.all_bwd_variants(capability)
+
+
+def test_variant_lists_follow_the_devices_opt_in():
+    """An sm_90 part that grants only 99 KiB per block gets the small-smem tiles, as the dispatcher does."""
+    small = 99 * 1024
+    assert cli.fwd_variants(90, small) == configs.all_fwd_variants(86)
+    assert cli.bwd_variants(90, small) == configs.all_bwd_variants(86)
+    assert cli.fwd_variants(90, small) != configs.all_fwd_variants(90)
+    for v in cli.fwd_variants(90, small):
+        assert v == configs.fwd_variant(v.head_dim, v.dtype, v.causal, 90, small)
+        assert v.smem_bytes <= small
+
+
+def test_variant_lists_filter():
+    fwd = cli.fwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), causals=(True,))
+    assert [str(v) for v in fwd] == ["fwd d=64 bfloat16 causal=True tile=128x128 warps=4"]
+    bwd = cli.bwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), causals=(True,), deterministic=(False,))
+    assert [v.name_expression.split("<")[0] for v in bwd] == [
+        "flash_bwd_kernel", "flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel"]
+
+
+def test_variants_pickle():
+    """Workers are spawned: the variants travel to them pickled."""
+    variants = fake_variants()
+    assert len(variants) == ALL_KERNELS
+    assert pickle.loads(pickle.dumps(variants)) == variants
+
+
+# ----------------------------------------------------------------------------------------------
+# The cache index (CPU)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_cache_dir_follows_cupy(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    assert build.cache_dir() == tmp_path
+    monkeypatch.delenv("CUPY_CACHE_DIR")
+    assert build.cache_dir().parts[-2:] == (".cupy", "kernel_cache")
+
+
+def test_record_and_cached(cache):
+    assert build.cached_variants() == []  # no file yet
+    fwd, bwd = configs.fwd_variant(64, "bfloat16", True, 90), configs.bwd_variant(128, "float16", False, True, 80)
+    entry = build.record_compiled(fwd, "sm_90", seconds=1.23456)
+    build.record_compiled(bwd, "sm_80")
+    assert entry["name_expression"] == fwd.name_expression and entry["source"] == "fwd.cu"
+    assert entry["seconds"] == 1.235 and entry["variant"] == str(fwd)
+    assert entry["sha256"] == build.source_hash("fwd.cu", "sm_90")
+    assert [e["name_expression"] for e in build.cached_variants("sm_90")] == [fwd.name_expression]
+    assert [e["name_expression"] for e in build.cached_variants("sm_80")] == [bwd.name_expression]
+    assert len(build.cached_variants()) == 2
+    build.record_compiled(fwd, "sm_90", seconds=0.5)  # again: replaces, does not add
+    assert [e["seconds"] for e in build.cached_variants("sm_90")] == [0.5]
+    assert sorted(p.name for p in cache.iterdir()) == [build.INDEX_NAME]  # no temp file left behind
+    assert json.loads((cache / build.INDEX_NAME).read_text())["schema"] == build.INDEX_SCHEMA
+
+
+def test_hash_covers_source_options_and_arch(monkeypatch):
+    base = build.source_hash("fwd.cu", "sm_90")
+    assert base == build.source_hash("fwd.cu", "sm_90")
+    assert base != build.source_hash("fwd.cu", "sm_80")
+    assert base != build.source_hash("bwd.cu", "sm_90")
+    monkeypatch.setattr(build, "NVRTC_OPTIONS", build.NVRTC_OPTIONS + ("-lineinfo",))
+    assert base != build.source_hash("fwd.cu", "sm_90")
+
+
+@pytest.mark.parametrize("text", ["{not json", "", "[1, 2]", '{"schema": "other/1", "entries": {}}',
+                                  '{"schema": "flashcupy-index/1", "entries": []}', "\udcff"])
+def test_corrupt_index_is_empty_and_rewritten(cache, text):
+    cache.mkdir()
+    (cache / build.INDEX_NAME).write_text(text, errors="surrogateescape")
+    assert build.read_index() == {} and build.cached_variants() == []
+    variant = configs.fwd_variant(32, "float16", False, 90)
+    build.record_compiled(variant, "sm_90")
+    assert [e["name_expression"] for e in build.cached_variants()] == [variant.name_expression]
+
+
+def test_malformed_entries_are_skipped(cache):
+    variant = configs.fwd_variant(32, "float16", False, 90)
+    build.record_compiled(variant, "sm_90")
+    path = cache / build.INDEX_NAME
+    document = json.loads(path.read_text())
+    entry = build.read_index()[f"sm_90 {variant.name_expression}"]
+    document["entries"].update({"a": "not a dict", "b": {**entry, "source": 3},
+                                "c": {**entry, "source": "gone.cu"},  # a source file that no longer exists
+                                "d": {k: v for k, v in entry.items() if k != "sha256"}})
+    path.write_text(json.dumps(document))
+    assert [e["name_expression"] for e in build.cached_variants()] == [variant.name_expression]
+
+
+def test_stale_source_hash_is_not_cached(cache, monkeypatch):
+    fwd, bwd = configs.fwd_variant(64, "bfloat16", False, 90), configs.bwd_variant(64, "bfloat16", False, False, 90)
+    build.record_compiled(fwd, "sm_90")
+    build.record_compiled(bwd, "sm_90")
+    load_source = build.load_source
+    monkeypatch.setattr(build, "load_source",
+                        lambda name: load_source(name) + ("\n// edited\n" if name == "fwd.cu" else ""))
+    assert [e["name_expression"] for e in build.cached_variants()] == [bwd.name_expression]
+    assert len(build.read_index()) == 2  # the stale entry stays until the variant is compiled again
+    build.record_compiled(fwd, "sm_90")
+    assert len(build.cached_variants()) == 2
+
+
+def test_nothing_recorded_when_cupy_caches_in_memory(cache, monkeypatch):
+    monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")
+    assert not build.disk_cache_enabled()
+    assert build.record_compiled(configs.fwd_variant(64, "bfloat16", False, 90), "sm_90") is None
+    assert not cache.exists()
+    monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "0")
+    assert build.disk_cache_enabled()
+
+
+def test_worker_pool_reports_each_variant(cache):
+    """The real spawn pool with one worker: on the CPU the worker's error comes back as text."""
+    variant = configs.fwd_variant(64, "bfloat16", False, 90)
+    ((got, seconds, error),) = list(build.compile_in_processes([variant], jobs=4))
+    assert got == variant
+    if device.gpu_available():
+        assert error is None and seconds > 0
+    else:
+        assert seconds is None and error and "Traceback" not in error
+    assert list(build.compile_in_processes([], jobs=2)) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# The commands' glue, with the GPU and the worker pool faked (CPU)
+# ----------------------------------------------------------------------------------------------
+
+
+class FakePool:
+    """Stands in for build.compile_in_processes: finishes variants in reverse order; `fail` fail."""
+
+    def __init__(self, fail=()):
+        self.fail = set(fail)
+        self.calls = []
+
+    def __call__(self, variants, jobs, device_id=None):
+        variants = list(variants)
+        self.calls.append((variants, jobs, device_id))
+        for n, v in enumerate(reversed(variants)):
+            if v in self.fail:
+                yield v, None, f"KernelCompileError: NVRTC failed to compile {v}:\nerror: boom"
+            else:
+                yield v, 0.25 + n, None
+
+
+@pytest.mark.parametrize("args, count", [
+    (["--head-dims", "64", "--dtype", "bf16", "--direction", "fwd"], 2),
+    (["--direction", "fwd"], 24),
+    ([], ALL_KERNELS),
+    (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 4 + 8),
+    (["--dtype", "fp16", "--causal", "off", "--head-dims", "32"], 1 + 2 + 2),
+])
+def test_compile_selects_variants(cache, fake_gpu, monkeypatch, args, count):
+    pool = FakePool()
+    monkeypatch.setattr(build, "compile_in_processes", pool)
+    result = invoke("compile", *args)
+    assert result.exit_code == 0, result.output
+    ((variants, jobs, device_id),) = pool.calls
+    assert len(variants) == len(set(variants)) == count
+    assert set(variants) <= set(fake_variants())  # the device-exact variants, nothing else
+    assert jobs == min(cli._default_jobs(), count) and device_id == FAKE_GPU.id
+    assert f"{count} of {count} kernels" in result.stdout
+    assert len(build.cached_variants("sm_90")) == count
+
+
+def test_compile_table_index_and_failures(cache, fake_gpu, monkeypatch):
+    variants = fake_variants(head_dims=(64,), dtypes=("bfloat16",))
+    failing = variants[3]
+    pool = FakePool(fail=[failing])
+    monkeypatch.setattr(build, "compile_in_processes", pool)
+    build.record_compiled(variants[0], "sm_90")
+    result = invoke("compile", "--head-dims", "64", "--dtype", "bf16", "--jobs", "3")
+    assert result.exit_code == 1, result.output
+    assert pool.calls[0][1] == 3
+    out = result.stdout
+    assert f"{len(variants)} kernels, 1 already compiled on disk, 3 processes, cache {cache}" in out
+    lines = out.splitlines()
+    table = lines[lines.index(next(line for line in lines if line.startswith("kernel "))) + 1:]
+    assert [line.split("  ")[0].strip() for line in table[:len(variants)]] == [str(v) for v in variants]  # asked order
+    assert f"{str(variants[-1]):<{len(max(map(str, variants), key=len))}}     0.25  ok" in out
+    assert "FAIL[1]" in out and f"compile: {len(variants) - 1} of {len(variants)} kernels in" in out
+    assert out.rstrip().endswith(", 1 FAIL")
+    assert f"[1] {failing}: KernelCompileError" in result.stderr and "error: boom" in result.stderr
+    cached = {e["name_expression"]: e for e in build.cached_variants("sm_90")}
+    assert set(cached) == {v.name_expression for v in variants if v != failing}
+    assert cached[variants[-1].name_expression]["seconds"] == 0.25
+
+
+def test_compile_refuses_in_memory_cache(cache, fake_gpu, monkeypatch):
+    monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")
+    monkeypatch.setattr(build, "compile_in_processes", FakePool())
+    result = invoke("compile")
+    assert result.exit_code == 1 and "CUPY_CACHE_IN_MEMORY" in result.output
+
+
+def test_compile_old_gpu_is_an_error(cache, monkeypatch):
+    monkeypatch.setattr(device, "gpu_available", lambda: True)
+    old_gpu = DeviceInfo(0, "Old GPU", 75, 40, 64 * 1024, 2**34)
+    monkeypatch.setattr(device, "device_info", lambda device_id=None: old_gpu)
+    result = invoke("compile")
+    assert result.exit_code == 1 and "needs 8.0 or newer" in result.output
+
+
+def test_info_counts_and_marks_cached_kernels(cache, fake_gpu):
+    forward = cli.fwd_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin)
+    backward = cli.bwd_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin)
+    for v in (forward[2], forward[5], backward[0]):
+        build.record_compiled(v, "sm_90")
+    build.record_compiled(forward[7], "sm_80")  # another arch's binary does not count here
+    build.record_compiled(configs.fwd_variant(256, "bfloat16", False, 86), "sm_90")  # a tile this GPU never picks
+    result = invoke("info")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert f"kernel cache:         {cache} (" in out
+    assert (f"compiled on disk:     3 of {ALL_KERNELS} flashcupy kernels this GPU can use "
+            "(fwd 2 of 24, bwd 1 of 72)") in out
+    assert "`flashcupy compile` builds the rest" in out
+    marked = [line.strip() for line in out.splitlines() if line.endswith("[on disk]")]
+    assert marked == [f"{forward[2]}  [on disk]", f"{forward[5]}  [on disk]"]
+    assert "backward kernels" not in out
+
+    verbose = invoke("info", "--verbose").stdout
+    assert "backward kernels the dispatcher picks here:" in verbose
+    assert f"  {backward[0]}  [on disk]" in verbose and f"  {backward[1]}\n" in verbose
+
+
+def test_info_with_everything_cached(cache, fake_gpu):
+    for v in fake_variants():
+        build.record_compiled(v, "sm_90")
+    out = invoke("info").stdout
+    assert f"{ALL_KERNELS} of {ALL_KERNELS} flashcupy kernels" in out and "builds the rest" not in out
+
+
+def test_check_and_bench_record_what_the_process_compiled(cache, fake_gpu, monkeypatch):
+    forward = configs.fwd_variant(64, "bfloat16", False, 90, FAKE_GPU.smem_per_block_optin)
+    other_device = configs.fwd_variant(128, "bfloat16", False, 90)
+    monkeypatch.setattr(build, "compiled_variants", lambda: [(0, forward), (1, other_device)])
+    cli._record_process_kernels(FAKE_GPU)
+    assert [e["name_expression"] for e in build.cached_variants("sm_90")] == [forward.name_expression]
+
+
+# ----------------------------------------------------------------------------------------------
+# On the GPU
+# ----------------------------------------------------------------------------------------------
+
+
+@on_gpu
+def test_compile_then_info_gpu(cache):
+    args = ("compile", "--head-dims", "64", "--dtype", "bf16", "--direction", "fwd", "--jobs", "2")
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert "2 of 2 kernels" in result.stdout and "FAIL" not in result.stdout
+    cubins = sorted(cache.glob("*.cubin"))
+    assert len(cubins) >= 2  # CuPy's own cache files, written by the workers
+
+    info = device.device_info()
+    expected = cli.fwd_variants(info.capability, info.smem_per_block_optin, head_dims=(64,), dtypes=("bfloat16",))
+    cached = build.cached_variants(build.device_arch(info.capability))
+    assert {e["name_expression"] for e in cached} == {v.name_expression for v in expected}
+
+    result = invoke("info")
+    assert result.exit_code == 0, result.output
+    assert "compiled on disk:     2 of" in result.stdout
+    for variant in expected:
+        assert f"  {variant}  [on disk]" in result.stdout
+
+    again = invoke(*args)  # served from the disk cache: no new cubin
+    assert again.exit_code == 0, again.output
+    assert "2 already compiled on disk" in again.stdout
+    assert sorted(cache.glob("*.cubin")) == cubins
