@@ -18,7 +18,9 @@
 //       dV_j += P^T dO_i                                   // P^T, dS^T stay in registers ...
 //       dK_j += dS^T Q_i
 //       dS^T -> shared memory                              // ... and dS^T also goes to shared memory
-//       dQ_i += dS K_j                                     // float32 atomic adds into dq_accum
+//       dQ_i += dS K_j                                     // float32 atomic adds into dq_accum, staged
+//                                                          // through shared memory so each warp adds
+//                                                          // whole row segments (4 sectors a request)
 //   dK_j *= softmax_scale; store dK_j, dV_j
 //
 // Working on the transposes puts keys on the mma's M dimension: warp w owns 16 keys of the block,
@@ -118,9 +120,10 @@ struct BwdTraits {
     static constexpr int kDqParts = kNWarps / kDqStrips;
     static constexpr int kDqPerWarp = kHeadDim / kDqParts;
     static constexpr int kPitch = SmemTile<kHeadDim>::kPitch, kPitchS = SmemTile<kBlockM>::kPitch;
+    static constexpr int kPitchDq = kHeadDim + 8;  // floats per row of the staged dQ block
     // Shared memory, in bytes; flashcupy/configs.py computes the same number for the launch.
     static constexpr int kSmemK = kBlockN * kPitch * 2;                    // K_j, and V_j after it
-    static constexpr int kSmemQ = kBlockM * kPitch * 2;                    // one stage of Q_i, of dO_i
+    static constexpr int kSmemQ = kBlockM * kPitch * 2;                    // Q_i or dO_i; a stage holds both
     static constexpr int kSmemS = kBlockN * kPitchS * 2;                   // dS^T
     static constexpr int kSmemStats = kBlockM * 4;                         // one stage of LSE_i, of D_i
     static constexpr int kSmemBytes = 2 * kSmemK + 2 * kStages * kSmemQ + kSmemS + 2 * kStages * kSmemStats;
@@ -158,9 +161,11 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* sK = reinterpret_cast<u16*>(smem_raw);
     u16* sV = sK + kBlockN * T::kPitch;
-    u16* sQ = sV + kBlockN * T::kPitch;                   // [kStages][kBlockM][kPitch]
-    u16* sdO = sQ + kStages * kBlockM * T::kPitch;        // [kStages][kBlockM][kPitch]
-    u16* sdS = sdO + kStages * kBlockM * T::kPitch;       // [kBlockN][kPitchS], dS^T
+    // Stage s holds Q_i then dO_i ([kBlockM][kPitch] each); once both are consumed, the same bytes
+    // take the float32 dQ_i block ([kBlockM][kHeadDim + 8]) on its way to the atomics.
+    u16* sQ = sV + kBlockN * T::kPitch;
+    u16* sdO = sQ + kBlockM * T::kPitch;
+    u16* sdS = sQ + kStages * 2 * kBlockM * T::kPitch;    // [kBlockN][kPitchS], dS^T
     float* sLse = reinterpret_cast<float*>(sdS + kBlockN * T::kPitchS);  // [kStages][kBlockM]
     float* sDelta = sLse + kStages * kBlockM;                              // [kStages][kBlockM]
 
@@ -197,8 +202,8 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
     // Q_i, dO_i, LSE_i and D_i of q block m into stage `stage`. Rows past seqlen_q are zero-filled.
     auto load_q_block = [&](int m, int stage) {
         const int row0 = m * kBlockM, rows = seqlen_q - row0;
-        q_loader.load(sQ_base + stage * T::kSmemQ, gQ + row0 * q_row_stride, rows);
-        do_loader.load(sdO_base + stage * T::kSmemQ, gdO + row0 * do_row_stride, rows);
+        q_loader.load(sQ_base + stage * 2 * T::kSmemQ, gQ + row0 * q_row_stride, rows);
+        do_loader.load(sdO_base + stage * 2 * T::kSmemQ, gdO + row0 * do_row_stride, rows);
         for (int r = tid; r < kBlockM; r += T::kThreads) {
             const bool valid = r < rows;
             cp_async_4(sLse_base + (stage * kBlockM + r) * 4, gLse + (valid ? row0 + r : 0), valid ? 4 : 0);
@@ -236,7 +241,8 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
         const bool has_next = it + 1 < m_count;
         const int stage = kStages == 2 ? it & 1 : 0;
         const int row0 = m_block * kBlockM;
-        const u32 sQ_s = sQ_base + stage * T::kSmemQ, sdO_s = sdO_base + stage * T::kSmemQ;
+        const u32 sQ_s = sQ_base + stage * 2 * T::kSmemQ, sdO_s = sdO_base + stage * 2 * T::kSmemQ;
+        float* sdQ = reinterpret_cast<float*>(sQ + stage * 2 * kBlockM * T::kPitch);
         const float* sLse_s = sLse + stage * kBlockM;
         const float* sDelta_s = sDelta + stage * kBlockM;
         cp_async_wait<0>();
@@ -331,10 +337,6 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
             }
         }
         __syncthreads();  // dS^T complete; every warp is done reading Q_i, dO_i
-        if (kStages == 1 && has_next) {  // single buffer: refill it under the dQ work
-            load_q_block(m_block + 1, 0);
-            cp_async_commit();
-        }
 
         // dQ_i += dS K_j: this warp's rows x kDqPerWarp columns, k over the block's keys.
         float acc_dq[T::kDqMTiles][T::kDqPerWarp / 8][4];
@@ -367,22 +369,37 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
                 while (ld_acquire(sem) != n_block) asm volatile("nanosleep.u32 64;\n");
             __syncthreads();
         }
+        // Through shared memory, so that the lanes of a warp add one contiguous row segment: four
+        // 32-byte sectors per L2 request instead of one (the reductions' request rate, not their
+        // bytes, was the limit).
 #pragma unroll
         for (int mt = 0; mt < T::kDqMTiles; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int row = row0 + 16 * (T::kDqMTiles * dq_strip + mt) + g + 8 * h;
-                if (row < seqlen_q) {
-                    float* dst = gdQ + row * dq_row_stride + dq_d0 + 2 * t;
+                const int r = 16 * (T::kDqMTiles * dq_strip + mt) + g + 8 * h;
 #pragma unroll
-                    for (int dt = 0; dt < T::kDqPerWarp / 8; ++dt)
-                        red_add_f32x2(dst + 8 * dt, acc_dq[mt][dt][2 * h], acc_dq[mt][dt][2 * h + 1]);
-                }
+                for (int dt = 0; dt < T::kDqPerWarp / 8; ++dt)
+                    *reinterpret_cast<float2*>(sdQ + r * T::kPitchDq + dq_d0 + 8 * dt + 2 * t) =
+                        make_float2(acc_dq[mt][dt][2 * h], acc_dq[mt][dt][2 * h + 1]);
             }
+        __syncthreads();
+        constexpr int kChunksPerRow = kHeadDim / 4;
+#pragma unroll
+        for (int c = tid; c < kBlockM * kChunksPerRow; c += T::kThreads) {
+            const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 4;
+            if (row0 + r < seqlen_q)
+                red_add_f32x4(gdQ + (row0 + r) * dq_row_stride + col,
+                              *reinterpret_cast<const float4*>(sdQ + r * T::kPitchDq + col));
+        }
         if (Is_deterministic) {
             __threadfence();
             __syncthreads();
             if (tid == 0) st_release(sem, n_block + 1);
+        }
+        if (kStages == 1 && has_next) {  // single buffer: refill once its dQ staging has been read
+            __syncthreads();
+            load_q_block(m_block + 1, 0);
+            cp_async_commit();
         }
     }
 

@@ -108,17 +108,19 @@ FC_DEVICE void acc_to_a_frag(const float (&lo)[4], const float (&hi)[4], u32 (&a
 FC_DEVICE void red_add_f32(float* addr, float v) {
     asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(v) : "memory");
 }
-// Two adjacent floats (8-byte aligned); one vector reduction on sm90 (PTX ISA 8.1), two scalar
-// ones before. (A 16-byte version fed by a lane shuffle measured slower on an H200.)
-FC_DEVICE void red_add_f32x2(float* addr, float v0, float v1) {
+// Four adjacent floats (16-byte aligned); one vector reduction on sm90 (PTX ISA 8.1), four scalar
+// ones before.
+FC_DEVICE void red_add_f32x4(float* addr, float4 v) {
 #if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(v0), "f"(v1) : "memory");
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "f"(v.x), "f"(v.y), "f"(v.z),
+                 "f"(v.w) : "memory");
 #else
-    red_add_f32(addr, v0);
-    red_add_f32(addr + 1, v1);
+    red_add_f32(addr, v.x);
+    red_add_f32(addr + 1, v.y);
+    red_add_f32(addr + 2, v.z);
+    red_add_f32(addr + 3, v.w);
 #endif
 }
-
 FC_DEVICE int ld_acquire(const int* addr) {
     int v;
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(addr) : "memory");

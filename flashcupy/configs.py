@@ -102,8 +102,8 @@ class BwdTile:
 _BWD_TILES_SM80 = {
     32: BwdTile(128, 128, 8, 2),
     64: BwdTile(128, 128, 8, 2),
-    96: BwdTile(64, 128, 8, 1),
-    128: BwdTile(64, 128, 8, 1),
+    96: BwdTile(64, 128, 8, 2),
+    128: BwdTile(64, 128, 8, 2),
     192: BwdTile(64, 64, 8, 1),
     256: BwdTile(64, 64, 8, 1),
 }
