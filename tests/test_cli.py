@@ -13,22 +13,9 @@ from click.testing import CliRunner
 
 import cli
 from flashcupy import bench, device
-from flashcupy.device import DeviceInfo, NoGPUError
-from gpu_helpers import requires_gpu
+from flashcupy.device import NoGPUError
+from cli_helpers import FAKE_GPU, invoke, on_gpu
 
-FAKE_GPU = DeviceInfo(id=0, name="Fake GPU", capability=90, sm_count=132, smem_per_block_optin=227 * 1024,
-                      total_memory=80 * 2**30)
-
-
-def on_gpu(test):
-    """The project's GPU marker and skip ("needs a CUDA GPU") on one test."""
-    for mark in requires_gpu:
-        test = mark(test)
-    return test
-
-
-def invoke(*args):
-    return CliRunner().invoke(cli.main, list(args))
 
 
 def fabricated_records():

@@ -7,26 +7,13 @@ import json
 import pickle
 
 import pytest
-from click.testing import CliRunner
 
 import cli
 from flashcupy import build, configs, device
 from flashcupy.device import DeviceInfo
-from gpu_helpers import requires_gpu
+from cli_helpers import FAKE_GPU, invoke, on_gpu
 
-FAKE_GPU = DeviceInfo(id=0, name="Fake GPU", capability=90, sm_count=132, smem_per_block_optin=227 * 1024,
-                      total_memory=80 * 2**30)
 ALL_KERNELS = 24 + 72  # per device: fwd (6 head dims x 2 dtypes x 2 causal), bwd (48 main + 24 helpers)
-
-
-def on_gpu(test):
-    for mark in requires_gpu:
-        test = mark(test)
-    return test
-
-
-def invoke(*args):
-    return CliRunner().invoke(cli.main, list(args))
 
 
 @pytest.fixture
