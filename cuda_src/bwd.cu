@@ -1,7 +1,7 @@
 // FlashAttention-2 backward, sm80 instructions (mma.sync, ldmatrix, cp.async); runs on sm80+.
 //
 // Three kernels (FA2 section 3.2), launched in order by flashcupy/api.py:
-//   flash_bwd_preprocess_kernel   D = rowsum(dO * O)                       (float32, like the LSE)
+//   flash_bwd_preprocess_kernel   D = rowsum(dO * O) (float32, like the LSE); dq_accum = 0
 //   flash_bwd_kernel              dK, dV per key block; dQ by float32 atomic adds
 //   flash_bwd_convert_dq_kernel   dQ = dq_accum * softmax_scale, in the input dtype
 //
@@ -33,12 +33,13 @@
 #include "tile.cuh"
 #include "grid.cuh"
 
-// ---- preprocess: D = rowsum(dO * O), 8 threads per row -----------------------------------------
+// ---- preprocess: D = rowsum(dO * O) and a zeroed dQ accumulator, 8 threads per row -------------
 template <int kHeadDim, bool Is_bf16>
 __global__ void __launch_bounds__(128)
 flash_bwd_preprocess_kernel(const u16* __restrict__ dout,  // (batch, seqlen_q, nheads, headdim)
                             const u16* __restrict__ out,   // (batch, seqlen_q, nheads, headdim)
                             float* __restrict__ delta,     // (batch, nheads, seqlen_q), contiguous
+                            float* __restrict__ dq_accum,  // (batch, seqlen_q, nheads, headdim), contiguous
                             const int seqlen_q, const int nheads, const int batch,
                             const i64 do_batch_stride, const i64 do_row_stride, const i64 do_head_stride,
                             const i64 o_batch_stride, const i64 o_row_stride, const i64 o_head_stride) {
@@ -53,6 +54,10 @@ flash_bwd_preprocess_kernel(const u16* __restrict__ dout,  // (batch, seqlen_q, 
         const int row = int(r % seqlen_q);
         const i64 bh = r / seqlen_q;
         const int head = int(bh % nheads), b = int(bh / nheads);
+        float* pacc = dq_accum + ((i64(b) * seqlen_q + row) * nheads + head) * kHeadDim;
+#pragma unroll
+        for (int c = sub; c < kHeadDim / 4; c += kThreadsPerRow)
+            *reinterpret_cast<float4*>(pacc + 4 * c) = make_float4(0.f, 0.f, 0.f, 0.f);
         const u16* pdo = dout + b * do_batch_stride + row * do_row_stride + head * do_head_stride;
         const u16* po = out + b * o_batch_stride + row * o_row_stride + head * o_head_stride;
 #pragma unroll

@@ -147,15 +147,15 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
                                       info.smem_per_block_optin)
         plans = launch.plan_backward(variant, batch, nheads, seqlen_q, seqlen_k)
 
-        # 1. D = rowsum(dO * O)
+        # 1. D = rowsum(dO * O), and the float32 dQ accumulator zeroed
         delta = cupy.empty((batch, nheads, seqlen_q), cupy.float32)
+        dq_accum = cupy.empty((batch, seqlen_q, nheads, head_dim), cupy.float32)
         pre = configs.BwdHelperVariant("flash_bwd_preprocess_kernel", head_dim, dtype)
         build.get_kernel(pre)(plans.preprocess.grid, plans.preprocess.block,
-                              (dout, out, delta, np.int32(seqlen_q), np.int32(nheads), np.int32(batch),
+                              (dout, out, delta, dq_accum, np.int32(seqlen_q), np.int32(nheads), np.int32(batch),
                                *_row_strides(dout, out)))
-        # 2. dK, dV per key block; dQ into a float32 accumulator. Under GQA each query head writes
+        # 2. dK, dV per key block; dQ added into the accumulator. Under GQA each query head writes
         # its own dK, dV slice, summed over the group afterwards.
-        dq_accum = cupy.zeros((batch, seqlen_q, nheads, head_dim), cupy.float32)
         semaphore = cupy.zeros(plans.semaphores if deterministic else 1, cupy.int32)
         grouped = nheads != nheads_k
         dk_heads = cupy.empty((batch, seqlen_k, nheads, head_dim), q.dtype) if grouped else dk

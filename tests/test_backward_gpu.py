@@ -25,7 +25,9 @@ def run_backward(q, k, v, causal, dtype_name, deterministic=False, softmax_scale
     out, lse = flashcupy.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True)
     rng = np.random.default_rng(q.shape[1] * 31 + k.shape[1])
     dout = randn(rng, q.shape, dtype_name)
-    poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype))
+    # NaN where the gradients and the float32 dQ accumulator (which the preprocess must zero) land
+    poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (lse.shape, cupy.float32),
+                (q.shape, cupy.float32))
     grads = flashcupy.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                                           deterministic=deterministic, **(grads_out or {}))
     refs = attention_bwd_ref(to_host64(dout), to_host64(q), to_host64(k), to_host64(v),
