@@ -175,7 +175,11 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
         if grouped:
             group = nheads // nheads_k
             for g_heads, g in ((dk_heads, dk), (dv_heads, dv)):
-                summed = g_heads.astype(cupy.float32).reshape(batch, seqlen_k, nheads_k, group, head_dim).sum(axis=3)
+                # float32 sum over the group, one query head at a time (no float32 copy of g_heads)
+                per_head = g_heads.reshape(batch, seqlen_k, nheads_k, group, head_dim)
+                summed = per_head[:, :, :, 0].astype(cupy.float32)
+                for member in range(1, group):
+                    summed += per_head[:, :, :, member]
                 g[...] = summed.astype(q.dtype)
     return dq, dk, dv
 

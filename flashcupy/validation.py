@@ -35,7 +35,9 @@ class ArraySpec:
     @classmethod
     def of(cls, array, device: int | None = None) -> "ArraySpec":
         itemsize = array.dtype.itemsize
-        strides = tuple(s // itemsize for s in array.strides)
+        # A byte stride that is not a whole number of elements stays fractional here, so the
+        # layout check refuses it instead of a floor division silently changing it.
+        strides = tuple(s // itemsize if s % itemsize == 0 else s / itemsize for s in array.strides)
         if device is None:
             dev = getattr(array, "device", None)
             device = getattr(dev, "id", None)
@@ -93,6 +95,11 @@ def check_softmax_scale(softmax_scale) -> None:
         raise TypeError(f"softmax_scale must be a positive number or None; got {softmax_scale!r}") from None
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"softmax_scale must be a positive finite number or None; got {softmax_scale!r}")
+    # The kernels take softmax_scale and softmax_scale * log2(e) as float32.
+    f32 = np.finfo(np.float32)
+    if not (float(f32.tiny) <= value and value * math.log2(math.e) <= float(f32.max)):
+        raise ValueError(f"softmax_scale must be representable in float32 (about 1e-38 to 1e38); "
+                         f"got {softmax_scale!r}")
 
 
 def check_pointer_alignment(name: str, ptr: int) -> None:
@@ -136,11 +143,27 @@ def check_backward_inputs(dout: ArraySpec, q: ArraySpec, k: ArraySpec, v: ArrayS
         if a.device != q.device:
             raise ValueError(f"{name} must be on q's device ({q.device}); got {a.device}")
         _check_row_layout(name, a)
+        _check_no_overlap(name, a)
+
+
+def _check_no_overlap(name: str, a: ArraySpec) -> None:
+    """An output whose elements share memory (zero or overlapping strides, e.g. from broadcast_to)
+    would have several threads write one address."""
+    dims = sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1)
+    span = 1  # elements covered by the dims taken so far
+    for stride, extent in dims:
+        if stride < span:
+            raise ValueError(f"{name} has overlapping elements (strides {a.strides} for shape {a.shape}); "
+                             "pass an array that owns distinct memory for every element")
+        span = stride * extent
 
 
 def _check_row_layout(name: str, a: ArraySpec) -> None:
     if 0 in a.shape:
         return  # an empty array has no layout to speak of (CuPy reports zero strides)
+    if any(s != int(s) for s in a.strides):
+        raise ValueError(f"{name} has byte strides that are not whole multiples of its item size "
+                         f"(element strides {a.strides}); copy it with cupy.ascontiguousarray({name})")
     if a.strides[3] != 1 and a.shape[3] > 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (headdim); got element strides "
                          f"{a.strides}. Make it so with cupy.ascontiguousarray({name}).")

@@ -127,3 +127,34 @@ def test_unknown_object_refused():
 def test_empty_arrays_pass_layout_checks():
     q = spec((0, 16, 2, 64), strides=(0, 0, 0, 0))
     check_forward_inputs(q, q, q, None)
+
+
+def test_softmax_scale_must_fit_float32():
+    for scale in (1e39, 1e-50):
+        with pytest.raises(ValueError, match="float32"):
+            check_softmax_scale(scale)
+    check_softmax_scale(1e-3)
+
+
+def test_fractional_byte_strides_refused():
+    class Strided:  # a float16 array whose row stride is 129 bytes, as another library might expose
+        shape, dtype, strides = (1, 4, 1, 64), np.dtype(np.float16), (4 * 129, 129, 129, 2)
+
+    odd = ArraySpec.of(Strided(), device=0)
+    assert odd.strides[1] == 64.5  # kept fractional, not floored to 64
+    with pytest.raises(ValueError, match="q has byte strides that are not whole multiples of its item size"):
+        check_forward_inputs(odd, odd, odd, None)
+
+
+def test_overlapping_outputs_refused():
+    from flashcupy.validation import check_backward_inputs
+
+    q = spec((2, 100, 8, 64))
+    kv = spec((2, 77, 8, 64))
+    lse = ArraySpec((2, 8, 100), np.dtype(np.float32), (800, 100, 1), 0)
+    check_backward_inputs(q, q, kv, kv, q, lse, None, {"dq": q})
+    broadcast = spec((2, 100, 8, 64), strides=(0, 0, 0, 1))
+    with pytest.raises(ValueError, match="dk has overlapping elements"):  # heads 8 elements apart, d = 64
+        check_backward_inputs(q, q, kv, kv, q, lse, None, {"dk": spec((2, 77, 8, 64), strides=(77 * 64, 64, 8, 1))})
+    with pytest.raises(ValueError, match="dq has overlapping elements"):
+        check_backward_inputs(q, q, kv, kv, q, lse, None, {"dq": broadcast})
