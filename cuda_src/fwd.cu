@@ -4,7 +4,7 @@
 //
 //   load Q_i                                   // once, into shared memory
 //   m = -inf, l = 0, O = 0                     // registers
-//   for j = n_block_max - 1 down to 0:         // causal: blocks right of the diagonal never visited
+//   for j = n_block_max - 1 down to n_block_min: // local (causal, window): blocks outside the band never visited
 //       load V_j (async, overlaps S)           // K_j was prefetched during the previous PV
 //       S = Q_i K_j^T                          // tensor cores, fp32 accumulators
 //       mask S if block j straddles seqlen_k or the diagonal
@@ -22,10 +22,10 @@
 #include "mask.cuh"
 #include "grid.cuh"
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool Is_causal_, bool Is_bf16_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool Is_local_, bool Is_bf16_>
 struct FwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
-    static constexpr bool Is_causal = Is_causal_, Is_bf16 = Is_bf16_;
+    static constexpr bool Is_local = Is_local_, Is_bf16 = Is_bf16_;
     static constexpr int kThreads = kNWarps * 32;
     static constexpr int kRowsPerWarp = kBlockM / kNWarps;
     static constexpr int kMTiles = kRowsPerWarp / 16;  // 16-row mma tiles per warp
@@ -39,7 +39,7 @@ struct FwdTraits {
     static_assert(kBlockN % 16 == 0, "key block must be a multiple of 16");
 };
 
-template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool Is_causal, bool Is_bf16>
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool Is_local, bool Is_bf16>
 __global__ void __launch_bounds__(kNWarps * 32)
 flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   headdim), strides below
                  const u16* __restrict__ k,    // (batch, seqlen_k, nheads_k, headdim)
@@ -51,15 +51,16 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
                  const i64 k_batch_stride, const i64 k_row_stride, const i64 k_head_stride,
                  const i64 v_batch_stride, const i64 v_row_stride, const i64 v_head_stride,
                  const i64 o_batch_stride, const i64 o_row_stride, const i64 o_head_stride,
+                 const int band_offset, const int window_left, const int window_right,  // mask.cuh
                  const float softmax_scale, const float scale_log2) {
-    using T = FwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, Is_causal, Is_bf16>;
+    using T = FwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, Is_local, Is_bf16>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw);
     u16* sK = sQ + kBlockM * T::kPitch;
     u16* sV = sK + kBlockN * T::kPitch;
 
     int m_block, head, batch;
-    block_coords<Is_causal, Is_causal>(blockIdx.x, (seqlen_q + kBlockM - 1) / kBlockM, nheads, m_block, head, batch);
+    block_coords<Is_local, Is_local>(blockIdx.x, (seqlen_q + kBlockM - 1) / kBlockM, nheads, m_block, head, batch);
     const int kv_head = head / heads_per_kv_head;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int row0 = m_block * kBlockM;
@@ -71,8 +72,9 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
     u16* gO = out + batch * o_batch_stride + head * o_head_stride + row0 * o_row_stride;
     float* gLse = lse + (i64(batch) * nheads + head) * seqlen_q + row0;
 
-    const Mask<Is_causal, kBlockM, kBlockN> mask{seqlen_q, seqlen_k};
-    const int n_block_max = (mask.key_end(row0) + kBlockN - 1) / kBlockN;
+    const Mask<Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, window_left, window_right};
+    const int n_block_min = mask.key_begin(row0) / kBlockN;
+    const int n_block_max = (mask.key_end(row0) + kBlockN - 1) / kBlockN;  // <= n_block_min: no key
     const int warp_row0 = warp * T::kRowsPerWarp;  // first row of this warp within the q block
     const int g = lane >> 2, t = lane & 3;
 
@@ -89,7 +91,7 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
     const TileLoader<kBlockM, kHeadDim, T::kThreads> q_loader(tid, q_row_stride);
     const TileLoader<kBlockN, kHeadDim, T::kThreads> k_loader(tid, k_row_stride);
     const TileLoader<kBlockN, kHeadDim, T::kThreads> v_loader(tid, v_row_stride);
-    if (n_block_max > 0) {
+    if (n_block_max > n_block_min) {
         q_loader.load(sQ_base, gQ, rows_valid);
         const int key_last = (n_block_max - 1) * kBlockN;
         k_loader.load(sK_base, gK + key_last * k_row_stride, seqlen_k - key_last);
@@ -100,7 +102,7 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
     const u32 sK_frag = sK_base + ldsm_lane_offset_b<kHeadDim>(lane);
     const u32 sV_frag = sV_base + ldsm_lane_offset_a<kHeadDim>(lane);
 
-    for (int n_block = n_block_max - 1; n_block >= 0; --n_block) {
+    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
         const int key0 = n_block * kBlockN;
         cp_async_wait<0>();
         __syncthreads();  // K_j landed for every warp; every warp is done reading V_{j+1}
@@ -137,7 +139,7 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
 
         cp_async_wait<0>();
         __syncthreads();  // V_j landed; every warp is done reading K_j
-        if (n_block > 0) {
+        if (n_block > n_block_min) {
             const int key_prev = key0 - kBlockN;
             k_loader.load(sK_base, gK + key_prev * k_row_stride, seqlen_k - key_prev);
             cp_async_commit();

@@ -1,26 +1,30 @@
-// Masking of score tiles: keys past seqlen_k and, when causal, keys right of the diagonal.
+// Masking of score tiles: keys past seqlen_k and, for local attention, keys outside the band.
 //
-// Causal is aligned to the bottom-right corner (flash-attn >= 2.1): query row i sees key j iff
-// j <= i + seqlen_k - seqlen_q. Only the tiles that straddle a boundary are masked; the loop in
-// the kernel asks tile_needs_mask() and skips the work for every other tile.
+// The band (Is_local): query row i sees keys [i + offset - left, i + offset + right], where
+// offset = seqlen_k - seqlen_q aligns row i to the bottom-right corner (flash-attn >= 2.1) or
+// offset = 0 to the top-left (PyTorch SDPA, JAX). Causal is the band (left, right) = (inf, 0); a
+// sliding window bounds left and/or right. "Unbounded" arrives as a bound no row can reach
+// (flashcupy/launch.py, plan_band). Tiles outside the band are never visited; only tiles that straddle an edge of the
+// band or seqlen_k are masked (tile_needs_mask), every other tile skips the work.
 #pragma once
 #include "ptx.cuh"
 
-template <bool Is_causal, int kBlockM, int kBlockN>
+template <bool Is_local, int kBlockM, int kBlockN>
 struct Mask {
     int seqlen_q, seqlen_k;
+    int offset, left, right;
 
-    // Highest key any row of q block `row0` may see, plus one (keys are < this bound).
+    // Keys that some row of the q block at row0 may see lie in [key_begin, key_end).
+    FC_DEVICE int key_begin(int row0) const { return Is_local ? max(0, row0 + offset - left) : 0; }
     FC_DEVICE int key_end(int row0) const {
-        if (!Is_causal) return seqlen_k;
-        return min(seqlen_k, row0 + kBlockM + seqlen_k - seqlen_q);
+        return Is_local ? min(seqlen_k, row0 + kBlockM + offset + right) : seqlen_k;
     }
 
     // Does n block `n_block` hold a key that some row of q block `row0` must not see?
     FC_DEVICE bool tile_needs_mask(int row0, int n_block) const {
-        const int key_last = (n_block + 1) * kBlockN - 1;
+        const int key0 = n_block * kBlockN, key_last = key0 + kBlockN - 1;
         if (key_last >= seqlen_k) return true;
-        return Is_causal && key_last > row0 + seqlen_k - seqlen_q;
+        return Is_local && (key_last > row0 + offset + right || key0 < row0 + kBlockM - 1 + offset - left);
     }
 
     // s[mt][nt][e] holds the score of row  row_base + 16 mt + g + 8 (e / 2)
@@ -33,13 +37,14 @@ struct Mask {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = row_base + 16 * mt + g + 8 * h;
-                const int limit = Is_causal ? min(seqlen_k, row + 1 + seqlen_k - seqlen_q) : seqlen_k;
+                const int hi = Is_local ? min(seqlen_k, row + 1 + offset + right) : seqlen_k;
+                const int lo = Is_local ? row + offset - left : 0;
 #pragma unroll
                 for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int key = key_base + 8 * nt + 2 * t + e;
-                        if (key >= limit) s[mt][nt][2 * h + e] = -FC_INF;
+                        if (key >= hi || key < lo) s[mt][nt][2 * h + e] = -FC_INF;
                     }
                 }
             }

@@ -8,8 +8,8 @@ import numpy as np
 
 from . import build, configs, launch
 from .device import device_info
-from .validation import (ArraySpec, check_backward_inputs, check_forward_inputs, check_pointer_alignment,
-                         dtype_name)
+from .validation import (ArraySpec, check_backward_inputs, check_band, check_forward_inputs,
+                         check_pointer_alignment, dtype_name)
 
 _DLPACK_CPU = 1
 LOG2E = math.log2(math.e)
@@ -36,7 +36,8 @@ def as_device_array(x, name: str):
                     f"__cuda_array_interface__; got {type(x).__name__}")
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), alignment="bottom_right",
+                    return_lse=False):
     """Exact attention softmax(q k^T * softmax_scale) v with the FlashAttention-2 forward kernel.
 
     Arguments:
@@ -56,6 +57,20 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
                 1 0
                 1 1
             Such rows give output 0 and LSE -inf.
+        window_size: (left, right) local attention: row i sees keys i + offset - left to
+            i + offset + right (offset = seqlen_k - seqlen_q, or 0 with alignment="top_left"); -1
+            leaves a side unbounded. Blocks outside the band are skipped, not masked. With causal,
+            right is 0. E.g. seqlen_q = seqlen_k = 5, window_size=(1, 1):
+                1 1 0 0 0
+                1 1 1 0 0
+                0 1 1 1 0
+                0 0 1 1 1
+                0 0 0 1 1
+        alignment: "bottom_right" (default, as flash-attn) or "top_left" (as PyTorch SDPA and
+            JAX): where the causal diagonal and the window sit when seqlen_q != seqlen_k. With
+            seqlen_q = 2, seqlen_k = 5, causal=True, "top_left" gives
+                1 0 0 0 0
+                1 1 0 0 0
         return_lse: also return softmax_lse.
 
     Returns:
@@ -69,8 +84,10 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
 
     q, k, v = (as_device_array(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
     check_forward_inputs(ArraySpec.of(q), ArraySpec.of(k), ArraySpec.of(v), softmax_scale)
+    check_band(causal, window_size, alignment)
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    band = launch.plan_band(causal, window_size, alignment, seqlen_q, seqlen_k)
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
     with q.device:
@@ -85,26 +102,28 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
             for name, a in (("q", q), ("k", k), ("v", v)):
                 check_pointer_alignment(name, a.data.ptr)
             info = device_info(q.device.id)
-            variant = configs.fwd_variant(head_dim, dtype_name(q.dtype), causal, info.capability,
+            variant = configs.fwd_variant(head_dim, dtype_name(q.dtype), band.local, info.capability,
                                           info.smem_per_block_optin)
             kernel = build.get_kernel(variant)
             plan = launch.plan_forward(variant, batch, nheads, seqlen_q)
             kernel(plan.grid, plan.block,
                    (q, k, v, out, lse,
                     np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_k),
-                    *_row_strides(q, k, v, out), np.float32(scale), np.float32(scale * LOG2E)),
+                    *_row_strides(q, k, v, out), *band.kernel_args(), np.float32(scale), np.float32(scale * LOG2E)),
                    shared_mem=plan.smem_bytes)
     return (out, lse) if return_lse else out
 
 
 def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False,
-                        deterministic=False, dq=None, dk=None, dv=None):
+                        deterministic=False, dq=None, dk=None, dv=None, window_size=(-1, -1),
+                        alignment="bottom_right"):
     """Gradients of flash_attn_func's output with respect to q, k and v (FlashAttention-2 backward).
 
     Arguments:
         dout: gradient of the loss with respect to `out`, shape and dtype of q.
         q, k, v, out, softmax_lse: the forward's inputs and results (`flash_attn_func(...,
-            return_lse=True)`); softmax_scale and causal as given to the forward.
+            return_lse=True)`); softmax_scale, causal, window_size and alignment as given to the
+            forward.
         deterministic: add the per-key-block contributions to dq in a fixed order, so two runs
             give identical bits (slower; the default adds them with float32 atomics).
         dq, dk, dv: optional output arrays (shape and dtype of q, k, v) written in place.
@@ -123,8 +142,10 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
     grads = {n: as_device_array(a, n) for n, a in (("dq", dq), ("dk", dk), ("dv", dv)) if a is not None}
     check_backward_inputs(*(ArraySpec.of(a) for a in (dout, q, k, v, out, softmax_lse)), softmax_scale,
                           {n: ArraySpec.of(a) for n, a in grads.items()})
+    check_band(causal, window_size, alignment)
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    band = launch.plan_band(causal, window_size, alignment, seqlen_q, seqlen_k)
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
     with q.device:
@@ -143,7 +164,7 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
             check_pointer_alignment(name, a.data.ptr)
         info = device_info(q.device.id)
         dtype = dtype_name(q.dtype)
-        variant = configs.bwd_variant(head_dim, dtype, causal, deterministic, info.capability,
+        variant = configs.bwd_variant(head_dim, dtype, band.local, deterministic, info.capability,
                                       info.smem_per_block_optin)
         plans = launch.plan_backward(variant, batch, nheads, seqlen_q, seqlen_k)
 
@@ -164,7 +185,7 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
                                   (q, k, v, dout, softmax_lse, delta, dq_accum, dk_heads, dv_heads, semaphore,
                                    np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads),
                                    np.int32(nheads // nheads_k),
-                                   *_row_strides(q, k, v, dout, dk_heads, dv_heads),
+                                   *_row_strides(q, k, v, dout, dk_heads, dv_heads), *band.kernel_args(),
                                    np.float32(scale), np.float32(scale * LOG2E)),
                                   shared_mem=plans.main.smem_bytes)
         # 3. dQ = dq_accum * softmax_scale, in the input dtype
@@ -195,18 +216,23 @@ class FlashAttention:
         dq, dk, dv = attn.backward(dout)
     """
 
-    def __init__(self, softmax_scale=None, causal=False, deterministic=False):
+    def __init__(self, softmax_scale=None, causal=False, deterministic=False, window_size=(-1, -1),
+                 alignment="bottom_right"):
         from .validation import check_softmax_scale
 
         check_softmax_scale(softmax_scale)
+        check_band(causal, window_size, alignment)
         self.softmax_scale = softmax_scale
         self.causal = causal
         self.deterministic = deterministic
+        self.window_size = tuple(window_size)
+        self.alignment = alignment
         self.saved = None  # (q, k, v, out, softmax_lse) of the last forward
 
     def forward(self, q, k, v):
         q, k, v = (as_device_array(a, n) for a, n in ((q, "q"), (k, "k"), (v, "v")))
-        out, lse = flash_attn_func(q, k, v, softmax_scale=self.softmax_scale, causal=self.causal, return_lse=True)
+        out, lse = flash_attn_func(q, k, v, softmax_scale=self.softmax_scale, causal=self.causal,
+                                   window_size=self.window_size, alignment=self.alignment, return_lse=True)
         self.saved = (q, k, v, out, lse)
         return out
 
@@ -215,7 +241,8 @@ class FlashAttention:
             raise RuntimeError("FlashAttention.backward needs a forward first (or the saved arrays were released)")
         q, k, v, out, lse = self.saved
         return flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=self.softmax_scale, causal=self.causal,
-                                   deterministic=self.deterministic, dq=dq, dk=dk, dv=dv)
+                                   deterministic=self.deterministic, dq=dq, dk=dk, dv=dv,
+                                   window_size=self.window_size, alignment=self.alignment)
 
     def release(self):
         """Drop the arrays kept for the backward."""

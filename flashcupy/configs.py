@@ -58,7 +58,7 @@ class FwdVariant:
 
     head_dim: int
     tile: FwdTile
-    causal: bool
+    local: bool  # band mask (causal and/or sliding window; bounds at run time, cuda_src/mask.cuh)
     dtype: str  # "float16" or "bfloat16"
 
     @property
@@ -70,7 +70,7 @@ class FwdVariant:
         """The template instance, as NVRTC's name expressions want it."""
         t = self.tile
         return (f"flash_fwd_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}, "
-                f"{str(self.causal).lower()}, {str(self.dtype == 'bfloat16').lower()}>")
+                f"{str(self.local).lower()}, {str(self.dtype == 'bfloat16').lower()}>")
 
     @property
     def smem_bytes(self) -> int:
@@ -78,7 +78,7 @@ class FwdVariant:
 
     def __str__(self) -> str:
         t = self.tile
-        return (f"fwd d={self.head_dim} {self.dtype} causal={self.causal} "
+        return (f"fwd d={self.head_dim} {self.dtype} local={self.local} "
                 f"tile={t.block_m}x{t.block_n} warps={t.num_warps}")
 
 
@@ -97,8 +97,8 @@ class BwdTile:
 
 
 # Backward tiles by head dim. Warps past block_n / 16 split the head dim of dK, dV (192, 256).
-# Measured on an H200 against the alternatives in BENCHMARKS.md's notes: at d = 64 a 128-row q block
-# beats 64; at d = 128 one Q/dO stage beats two (less shared memory, same speed non-causal, ~5% causal).
+# Measured on an H200 against the alternatives (docs/PERF_NOTES.md): at d = 64 a 128-row q block
+# beats 64; with dQ staged through the Q/dO stage, two stages beat one at d = 128.
 _BWD_TILES_SM80 = {
     32: BwdTile(128, 128, 8, 2),
     64: BwdTile(128, 128, 8, 2),
@@ -157,9 +157,9 @@ def smem_limit(capability: int) -> int:
     return SMEM_PER_BLOCK_OPTIN[max(known)] if known else 48 * 1024
 
 
-def fwd_variant(head_dim: int, dtype: str, causal: bool, capability: int,
+def fwd_variant(head_dim: int, dtype: str, local: bool, capability: int,
                 smem_optin: int | None = None) -> FwdVariant:
-    return FwdVariant(head_dim, fwd_tile(head_dim, capability, smem_optin), bool(causal), dtype)
+    return FwdVariant(head_dim, fwd_tile(head_dim, capability, smem_optin), bool(local), dtype)
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,7 @@ class BwdVariant:
 
     head_dim: int
     tile: BwdTile
-    causal: bool
+    local: bool  # band mask (causal and/or sliding window)
     dtype: str
     deterministic: bool
 
@@ -178,7 +178,7 @@ class BwdVariant:
     def name_expression(self) -> str:
         t = self.tile
         return (f"flash_bwd_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}, {t.stages}, "
-                f"{str(self.causal).lower()}, {str(self.dtype == 'bfloat16').lower()}, "
+                f"{str(self.local).lower()}, {str(self.dtype == 'bfloat16').lower()}, "
                 f"{str(self.deterministic).lower()}>")
 
     @property
@@ -187,7 +187,7 @@ class BwdVariant:
 
     def __str__(self) -> str:
         t = self.tile
-        return (f"bwd d={self.head_dim} {self.dtype} causal={self.causal} deterministic={self.deterministic} "
+        return (f"bwd d={self.head_dim} {self.dtype} local={self.local} deterministic={self.deterministic} "
                 f"tile={t.block_m}x{t.block_n} warps={t.num_warps} stages={t.stages}")
 
 
@@ -210,9 +210,9 @@ class BwdHelperVariant:
         return f"{self.kernel.replace('flash_bwd_', '').replace('_kernel', '')} d={self.head_dim} {self.dtype}"
 
 
-def bwd_variant(head_dim: int, dtype: str, causal: bool, deterministic: bool, capability: int,
+def bwd_variant(head_dim: int, dtype: str, local: bool, deterministic: bool, capability: int,
                 smem_optin: int | None = None) -> BwdVariant:
-    return BwdVariant(head_dim, bwd_tile(head_dim, capability, smem_optin), bool(causal), dtype,
+    return BwdVariant(head_dim, bwd_tile(head_dim, capability, smem_optin), bool(local), dtype,
                       bool(deterministic))
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .configs import BwdVariant, FwdVariant
 
 
@@ -23,6 +25,33 @@ def plan_forward(variant: FwdVariant, batch: int, nheads: int, seqlen_q: int) ->
         raise ValueError(f"batch * nheads * ceil(seqlen_q / {tile.block_m}) = {num_blocks} thread blocks "
                          "exceeds the grid limit of 2**31 - 1; split the batch")
     return LaunchPlan((num_blocks, 1, 1), (tile.threads, 1, 1), variant.smem_bytes)
+
+
+@dataclass(frozen=True)
+class Band:
+    """The kernels' band mask (cuda_src/mask.cuh): row i sees keys [i + offset - left, i + offset + right]."""
+
+    local: bool  # any band at all (causal and/or window); else only seqlen_k bounds the keys
+    offset: int
+    left: int
+    right: int
+
+    def kernel_args(self):
+        return (np.int32(self.offset), np.int32(self.left), np.int32(self.right))
+
+
+def plan_band(causal: bool, window_size, alignment: str, seqlen_q: int, seqlen_k: int) -> Band:
+    """Causal is the band (unbounded, 0); -1 in window_size is unbounded, passed as a bound no row
+    reaches. Bottom-right alignment puts row seqlen_q - 1 on key seqlen_k - 1."""
+    left, right = (int(w) for w in window_size)
+    if causal:
+        right = 0
+    unbounded = seqlen_q + seqlen_k + 256  # past every row's keys, even counted from a block's last row
+    if unbounded >= 2**30:
+        raise ValueError(f"seqlen_q + seqlen_k = {unbounded} is too large for the kernels' 32-bit row arithmetic")
+    offset = seqlen_k - seqlen_q if alignment == "bottom_right" else 0
+    return Band(causal or left >= 0 or right >= 0, offset, left if left >= 0 else unbounded,
+                right if right >= 0 else unbounded)
 
 
 @dataclass(frozen=True)

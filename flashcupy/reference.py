@@ -2,9 +2,14 @@
 
 Layout: q is (batch, seqlen_q, nheads, headdim); k and v are (batch, seqlen_k, nheads_k, headdim)
 with nheads % nheads_k == 0 (GQA: query head h reads kv head h // (nheads // nheads_k)).
-softmax_lse is (batch, nheads, seqlen_q), natural log. Causal masking is aligned to the
-bottom-right corner (flash-attn >= 2.1): query row i sees key j iff j <= i + seqlen_k - seqlen_q.
-A row that sees no key has output 0, LSE -inf and contributes no gradient.
+softmax_lse is (batch, nheads, seqlen_q), natural log.
+
+Masking (the kernels' band, cuda_src/mask.cuh): offset = seqlen_k - seqlen_q for
+alignment="bottom_right" (flash-attn >= 2.1, the default) or 0 for "top_left" (PyTorch SDPA, JAX);
+(left, right) = window_size with -1 unbounded; causal=True means right = 0. Query row i sees key j
+iff j < seqlen_k and (left unbounded or j >= i + offset - left) and (right unbounded or
+j <= i + offset + right). Without causal and window nothing is masked. A row that sees no key has
+output 0, LSE -inf and contributes no gradient.
 
 Two kinds of functions live here:
   * attention_ref / attention_bwd_ref: the plain math, per (batch, head) with the full score matrix.
@@ -52,17 +57,77 @@ def _scale(softmax_scale, headdim: int) -> float:
     return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
 
 
-def _allowed(rows, keys, seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
-    """The one masking rule: key in range and, when causal, not right of the bottom-right diagonal."""
-    ok = keys < seqlen_k
+ALIGNMENTS = ("bottom_right", "top_left")
+
+
+class _Band:
+    """Which keys a query row may see: row i sees keys [i + offset - left, i + offset + right],
+    cut to [0, seqlen_k). left / right are None where unbounded; causal is right = 0."""
+
+    __slots__ = ("offset", "left", "right")
+
+    def __init__(self, offset: int, left, right):
+        self.offset, self.left, self.right = offset, left, right
+
+    @property
+    def active(self) -> bool:
+        """False when only seqlen_k bounds the keys (no causal mask, no window)."""
+        return self.left is not None or self.right is not None
+
+
+def _check_alignment(alignment) -> None:
+    if not isinstance(alignment, str) or alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment must be one of {ALIGNMENTS}, got {alignment!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _band(causal, window_size, alignment, seqlen_q: int, seqlen_k: int) -> _Band:
+    """Validate the masking options and resolve them into a _Band for these sequence lengths."""
+    _check_alignment(alignment)
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right) of ints >= -1, got {window_size!r}") from None
+    if not (_is_int(left) and _is_int(right)) or left < -1 or right < -1:
+        raise ValueError(f"window_size must be a pair (left, right) of ints >= -1, got {window_size!r}")
+    left, right = int(left), int(right)
     if causal:
-        ok = ok & (keys <= rows + (seqlen_k - seqlen_q))
+        if right not in (-1, 0):
+            raise ValueError(f"window_size right must be -1 or 0 when causal=True (causal means right = 0), "
+                             f"got window_size {window_size!r}")
+        right = 0
+    offset = seqlen_k - seqlen_q if alignment == "bottom_right" else 0
+    return _Band(offset, None if left < 0 else left, None if right < 0 else right)
+
+
+def _allowed(rows, keys, seqlen_k: int, band: _Band) -> np.ndarray:
+    """The one masking rule: key in range and inside the row's band."""
+    ok = keys < seqlen_k
+    if band.left is not None:
+        ok = ok & (keys >= rows + band.offset - band.left)
+    if band.right is not None:
+        ok = ok & (keys <= rows + band.offset + band.right)
     return ok
 
 
-def causal_mask(seqlen_q: int, seqlen_k: int) -> np.ndarray:
-    """Bool (seqlen_q, seqlen_k): True where query row i may attend key j (bottom-right aligned)."""
-    return _allowed(np.arange(seqlen_q)[:, None], np.arange(seqlen_k)[None, :], seqlen_q, seqlen_k, True)
+def attention_mask(seqlen_q: int, seqlen_k: int, causal=False, window_size=(-1, -1),
+                   alignment="bottom_right") -> np.ndarray:
+    """Bool (seqlen_q, seqlen_k): True where query row i may attend key j.
+
+    offset = seqlen_k - seqlen_q ("bottom_right") or 0 ("top_left"); (left, right) = window_size,
+    -1 unbounded, causal forces right = 0. Row i sees key j iff j >= i + offset - left (left
+    bounded) and j <= i + offset + right (right bounded).
+    """
+    band = _band(causal, window_size, alignment, seqlen_q, seqlen_k)
+    return _allowed(np.arange(seqlen_q)[:, None], np.arange(seqlen_k)[None, :], seqlen_k, band)
+
+
+def causal_mask(seqlen_q: int, seqlen_k: int, alignment="bottom_right") -> np.ndarray:
+    """Bool (seqlen_q, seqlen_k): True where query row i may attend key j, i.e. j <= i + offset."""
+    return attention_mask(seqlen_q, seqlen_k, causal=True, alignment=alignment)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -107,13 +172,24 @@ def _head_probs(q, k, b, h, kh, scale, mask):
     return _softmax_rows(s)
 
 
-def attention_ref(q, k, v, softmax_scale=None, causal=False):
-    """softmax(Q K^T * scale) V -> (out (b, sq, h, d), lse (b, h, sq)), both float64."""
+def _mask_or_none(causal, window_size, alignment, seqlen_q: int, seqlen_k: int):
+    """The (seqlen_q, seqlen_k) mask, or None when nothing is masked (validates the options)."""
+    band = _band(causal, window_size, alignment, seqlen_q, seqlen_k)
+    if not band.active:
+        return None
+    return _allowed(np.arange(seqlen_q)[:, None], np.arange(seqlen_k)[None, :], seqlen_k, band)
+
+
+def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), alignment="bottom_right"):
+    """softmax(Q K^T * scale) V -> (out (b, sq, h, d), lse (b, h, sq)), both float64.
+
+    causal, window_size and alignment select the keys each row sees (attention_mask).
+    """
     q, k, v, group = _check_qkv(q, k, v)
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
     scale = _scale(softmax_scale, q.shape[3])
-    mask = causal_mask(seqlen_q, seqlen_k) if causal else None
+    mask = _mask_or_none(causal, window_size, alignment, seqlen_q, seqlen_k)
     out = np.zeros(q.shape)
     lse = np.empty((batch, nheads, seqlen_q))
     # One (batch, head) at a time keeps memory at one score matrix.
@@ -124,15 +200,16 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False):
     return out, lse
 
 
-def attention_bwd_ref(dout, q, k, v, softmax_scale=None, causal=False):
-    """Gradients (dq, dk, dv) of sum(attention_ref(q, k, v)[0] * dout); dk, dv summed per GQA group."""
+def attention_bwd_ref(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
+                      alignment="bottom_right"):
+    """Gradients (dq, dk, dv) of sum(attention_ref(q, k, v, ...)[0] * dout); dk, dv summed per GQA group."""
     q, k, v, group = _check_qkv(q, k, v)
     dout = _f64(dout)
     if dout.shape != q.shape:
         raise ValueError(f"dout must have the shape of q, got {dout.shape} and {q.shape}")
     batch, seqlen_q, nheads, _ = q.shape
     scale = _scale(softmax_scale, q.shape[3])
-    mask = causal_mask(seqlen_q, k.shape[1]) if causal else None
+    mask = _mask_or_none(causal, window_size, alignment, seqlen_q, k.shape[1])
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     for b in range(batch):
         for h in range(nheads):
@@ -163,42 +240,69 @@ def _check_blocks(block_m: int, block_n: int):
         raise ValueError(f"block sizes must be positive integers, got {block_m}, {block_n}")
 
 
-def _tile_needs_mask(row0, n_block, block_n, seqlen_q, seqlen_k, causal) -> bool:
-    """Does key block n_block hold a key that some row of the q block at row0 must not see?
+def _band_cuts_tile(row0, key0, block_m, block_n, band: _Band) -> bool:
+    """Does the band cut the tile of q block row0 x key block key0 (all block_m x block_n slots)?
 
-    The first row of a q block sees the fewest keys, so it decides (cuda_src/mask.cuh).
+    The first row reaches least far right, so it decides the right edge; the last row of the block
+    reaches least far left, so it decides the left edge (cuda_src/mask.cuh, tile_needs_mask).
     """
-    key_last = (n_block + 1) * block_n - 1
-    if key_last >= seqlen_k:
+    key_last = key0 + block_n - 1
+    if band.right is not None and key_last > row0 + band.offset + band.right:
         return True
-    return causal and key_last > row0 + seqlen_k - seqlen_q
+    return band.left is not None and key0 < row0 + block_m - 1 + band.offset - band.left
 
 
-def _n_block_max(row0, block_m, block_n, seqlen_q, seqlen_k, causal) -> int:
-    """Key blocks the q block at row0 visits (none right of the diagonal); may be <= 0."""
-    key_end = min(seqlen_k, row0 + block_m + seqlen_k - seqlen_q) if causal else seqlen_k
-    return _ceil_div(key_end, block_n)
+def _fwd_needs_mask(row0, n_block, block_m, block_n, seqlen_k, band: _Band) -> bool:
+    """Forward: the key block straddles seqlen_k or an edge of the band."""
+    key0 = n_block * block_n
+    return key0 + block_n - 1 >= seqlen_k or _band_cuts_tile(row0, key0, block_m, block_n, band)
 
 
-def _m_block_min(key0, block_m, seqlen_q, seqlen_k, causal) -> int:
-    """First q block with a row that sees the key block at key0 (backward skips those above)."""
-    if not causal:
-        return 0
-    # Row key0 + seqlen_q - seqlen_k is the first to see key0, the smallest key of the block.
-    return max(0, (key0 + seqlen_q - seqlen_k) // block_m)
+def _bwd_needs_mask(row0, n_block, block_m, block_n, seqlen_q, seqlen_k, band: _Band) -> bool:
+    """Backward: as the forward, and also when the q block runs past seqlen_q (cuda_src/bwd.cu)."""
+    return (row0 + block_m > seqlen_q or _fwd_needs_mask(row0, n_block, block_m, block_n, seqlen_k, band))
+
+
+def _n_block_range(row0, block_m, block_n, seqlen_k, band: _Band):
+    """(n_block_min, n_block_max): the key blocks the q block at row0 visits; none when max <= min.
+
+    Keys some row of the block may see lie in [key_begin, key_end): the first row bounds the left
+    edge, the block's last row (row0 + block_m - 1, even past seqlen_q) the right one.
+    """
+    key_begin = 0 if band.left is None else max(0, row0 + band.offset - band.left)
+    key_end = seqlen_k if band.right is None else min(seqlen_k, row0 + block_m - 1 + band.offset + band.right + 1)
+    return key_begin // block_n, _ceil_div(key_end, block_n)
+
+
+def _m_block_range(key0, block_m, block_n, num_m_blocks, band: _Band):
+    """(m_block_min, m_block_max): the q blocks the backward visits for the key block at key0.
+
+    Row key0 - offset - right is the first that sees key0 (the block's first key); row
+    key_last - offset + left (key_last = key0 + block_n - 1, even past seqlen_k) the last that sees
+    key_last. Floor division: a negative row gives block 0 at the start, no block at the end.
+    """
+    m_block_min = 0 if band.right is None else max(0, (key0 - band.offset - band.right) // block_m)
+    if band.left is None:
+        m_block_max = num_m_blocks
+    else:
+        row_last = key0 + block_n - 1 - band.offset + band.left
+        m_block_max = 0 if row_last < 0 else min(num_m_blocks, row_last // block_m + 1)
+    return m_block_min, m_block_max
 
 
 def fa2_forward_tiled(q, k, v, softmax_scale=None, causal=False, block_m=64, block_n=64,
-                      return_visited=False):
+                      return_visited=False, window_size=(-1, -1), alignment="bottom_right"):
     """FlashAttention-2 forward (Algorithm 1) as the kernel runs it -> (out, lse).
 
-    With return_visited=True also returns (visited, masked): lists of (q_block, k_block) pairs in
-    the order the kernel visits them (the schedule is the same for every batch and head).
+    causal, window_size and alignment as in attention_ref. With return_visited=True also returns
+    (visited, masked): lists of (q_block, k_block) pairs in the order the kernel visits them (the
+    schedule is the same for every batch and head).
     """
     q, k, v, _ = _check_qkv(q, k, v)
     _check_blocks(block_m, block_n)
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    band = _band(causal, window_size, alignment, seqlen_q, seqlen_k)
     scale = _scale(softmax_scale, headdim)
     # Scores stay unscaled; one multiply by c turns them into base-2 exponents. The running max
     # of unscaled scores is the max of scaled ones because scale > 0.
@@ -217,14 +321,16 @@ def fa2_forward_tiled(q, k, v, softmax_scale=None, causal=False, block_m=64, blo
         l = np.zeros(q_i.shape[:-1])  # running sum of exp2 terms
         o = np.zeros(q_i.shape)  # unnormalised output
 
-        # The kernel walks key blocks backwards, from the last one the block needs down to 0.
-        for n_block in range(_n_block_max(row0, block_m, block_n, seqlen_q, seqlen_k, causal) - 1, -1, -1):
+        # The kernel walks key blocks backwards, from the last one the block needs down to the
+        # first (0 unless the window bounds the left); none at all when n_block_max <= n_block_min.
+        n_block_min, n_block_max = _n_block_range(row0, block_m, block_n, seqlen_k, band)
+        for n_block in range(n_block_max - 1, n_block_min - 1, -1):
             keys = np.arange(n_block * block_n, min((n_block + 1) * block_n, seqlen_k))
             s = q_i @ kg[..., keys, :].swapaxes(-1, -2)
             visited.append((m_block, n_block))
-            if _tile_needs_mask(row0, n_block, block_n, seqlen_q, seqlen_k, causal):
+            if _fwd_needs_mask(row0, n_block, block_m, block_n, seqlen_k, band):
                 masked.append((m_block, n_block))
-                s = np.where(_allowed(rows[:, None], keys[None, :], seqlen_q, seqlen_k, causal), s, -np.inf)
+                s = np.where(_allowed(rows[:, None], keys[None, :], seqlen_k, band), s, -np.inf)
 
             m_new = np.maximum(m, s.max(axis=-1))
             # A row that has seen only masked keys keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
@@ -248,11 +354,12 @@ def fa2_forward_tiled(q, k, v, softmax_scale=None, causal=False, block_m=64, blo
 
 
 def fa2_backward_tiled(dout, q, k, v, out, lse, softmax_scale=None, causal=False, block_m=64, block_n=64,
-                       return_visited=False):
+                       return_visited=False, window_size=(-1, -1), alignment="bottom_right"):
     """FlashAttention-2 backward (Algorithm 2) as the kernel runs it -> (dq, dk, dv).
 
-    out and lse are the forward's results (lse natural log, -inf for rows with no key). With
-    return_visited=True also returns (visited, masked): lists of (q_block, k_block) pairs in visit order.
+    out and lse are the forward's results (lse natural log, -inf for rows with no key); causal,
+    window_size and alignment as in attention_ref. With return_visited=True also returns
+    (visited, masked): lists of (q_block, k_block) pairs in visit order.
     """
     q, k, v, _ = _check_qkv(q, k, v)
     _check_blocks(block_m, block_n)
@@ -264,6 +371,7 @@ def fa2_backward_tiled(dout, q, k, v, out, lse, softmax_scale=None, causal=False
     if lse.shape != (batch, nheads, seqlen_q):
         raise ValueError(f"lse must be (batch, nheads, seqlen_q) {(batch, nheads, seqlen_q)}, "
                          f"got {lse.shape}")
+    band = _band(causal, window_size, alignment, seqlen_q, seqlen_k)
     scale = _scale(softmax_scale, headdim)
     c = scale * LOG2E
 
@@ -288,17 +396,20 @@ def fa2_backward_tiled(dout, q, k, v, out, lse, softmax_scale=None, causal=False
         dk_j = np.zeros(k_j.shape)  # "registers": written once after the inner loop
         dv_j = np.zeros(v_j.shape)
 
-        m_block_min = _m_block_min(key0, block_m, seqlen_q, seqlen_k, causal)
-        for m_block in range(m_block_min, _ceil_div(seqlen_q, block_m)):
+        # Only the q blocks with a row that sees a key of this block, in ascending order.
+        m_block_min, m_block_max = _m_block_range(key0, block_m, block_n, _ceil_div(seqlen_q, block_m), band)
+        for m_block in range(m_block_min, m_block_max):
             row0 = m_block * block_m
             rows = np.arange(row0, min(row0 + block_m, seqlen_q))
             q_i, do_i = qg[..., rows, :], dog[..., rows, :]
 
             s = q_i @ k_j.swapaxes(-1, -2)
             visited.append((m_block, n_block))
-            if _tile_needs_mask(row0, n_block, block_n, seqlen_q, seqlen_k, causal):
+            # Rows past seqlen_q do not exist here; the kernel masks them, which is why a q block
+            # running past seqlen_q counts as masked.
+            if _bwd_needs_mask(row0, n_block, block_m, block_n, seqlen_q, seqlen_k, band):
                 masked.append((m_block, n_block))
-                s = np.where(_allowed(rows[:, None], keys[None, :], seqlen_q, seqlen_k, causal), s, -np.inf)
+                s = np.where(_allowed(rows[:, None], keys[None, :], seqlen_k, band), s, -np.inf)
             p = np.exp2(s * c - lse2[..., rows, None])
 
             # Sums over the group axis give dk, dv of the shared kv head (GQA).

@@ -171,3 +171,25 @@ def _check_row_layout(name: str, a: ArraySpec) -> None:
     if any(s % 8 for s, n in zip(a.strides[:3], a.shape[:3]) if n > 1):
         raise ValueError(f"{name} strides {a.strides} (in elements) must be multiples of 8 for the batch, "
                          f"seqlen and head dimensions; copy it with cupy.ascontiguousarray({name})")
+
+
+ALIGNMENTS = ("bottom_right", "top_left")
+
+
+def check_band(causal, window_size, alignment) -> None:
+    """Validate the masking options: window_size = (left, right), -1 meaning unbounded; alignment
+    of the causal diagonal and the window when seqlen_q != seqlen_k."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False; got {causal!r}")
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 for unbounded; got {window_size!r}") from None
+    for side, value in (("left", left), ("right", right)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < -1:
+            raise ValueError(f"window_size {side} must be an int >= -1 (-1: unbounded); got {value!r}")
+    if causal and right > 0:
+        raise ValueError(f"causal=True already limits the window to 0 keys on the right; got window_size {window_size!r} "
+                         "(use window_size=(left, 0) or (left, -1))")
+    if alignment not in ALIGNMENTS:
+        raise ValueError(f"alignment must be one of {ALIGNMENTS}; got {alignment!r}")

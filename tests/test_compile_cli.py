@@ -89,13 +89,13 @@ def test_variant_lists_follow_the_devices_opt_in():
     assert cli.bwd_variants(90, small) == configs.all_bwd_variants(86)
     assert cli.fwd_variants(90, small) != configs.all_fwd_variants(90)
     for v in cli.fwd_variants(90, small):
-        assert v == configs.fwd_variant(v.head_dim, v.dtype, v.causal, 90, small)
+        assert v == configs.fwd_variant(v.head_dim, v.dtype, v.local, 90, small)
         assert v.smem_bytes <= small
 
 
 def test_variant_lists_filter():
     fwd = cli.fwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), causals=(True,))
-    assert [str(v) for v in fwd] == ["fwd d=64 bfloat16 causal=True tile=128x128 warps=4"]
+    assert [str(v) for v in fwd] == ["fwd d=64 bfloat16 local=True tile=128x128 warps=4"]
     bwd = cli.bwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), causals=(True,), deterministic=(False,))
     assert [v.name_expression.split("<")[0] for v in bwd] == [
         "flash_bwd_kernel", "flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel"]

@@ -81,7 +81,7 @@ def test_planner_covers_every_query_row_once(capability, seqlen_q):
         num_m = -(-seqlen_q // v.tile.block_m)
         covered = []
         for x in range(plan.grid[0]):
-            m, h, b = launch.block_coords(x, plan.grid[0], num_m, nheads, v.causal, v.causal)
+            m, h, b = launch.block_coords(x, plan.grid[0], num_m, nheads, v.local, v.local)
             assert 0 <= m < num_m and 0 <= h < nheads and 0 <= b < batch
             row0 = m * v.tile.block_m
             covered += [(b, h, r) for r in range(row0, min(row0 + v.tile.block_m, seqlen_q))]
@@ -100,3 +100,16 @@ def test_planner_rejects_grid_overflow():
     v = configs.fwd_variant(64, "float16", False, 90)
     with pytest.raises(ValueError, match="grid limit"):
         launch.plan_forward(v, batch=65536, nheads=1024, seqlen_q=65536)
+
+
+def test_band_parameters():
+    plain = launch.plan_band(False, (-1, -1), "bottom_right", 100, 300)
+    assert not plain.local
+    causal = launch.plan_band(True, (-1, -1), "bottom_right", 100, 300)
+    assert causal.local and causal.offset == 200 and causal.right == 0 and causal.left == 400 + 256
+    top_left = launch.plan_band(True, (16, -1), "top_left", 100, 300)
+    assert top_left.offset == 0 and top_left.left == 16 and top_left.right == 0
+    window = launch.plan_band(False, (-1, 8), "bottom_right", 300, 100)
+    assert window.local and window.offset == -200 and window.right == 8 and window.left == 400 + 256
+    with pytest.raises(ValueError, match="too large"):
+        launch.plan_band(False, (1, 1), "bottom_right", 2**29, 2**29)

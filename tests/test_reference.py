@@ -10,6 +10,7 @@ import pytest
 from flashcupy.reference import (
     attention_bwd_ref,
     attention_flops,
+    attention_mask,
     attention_ref,
     causal_mask,
     fa2_backward_tiled,
@@ -36,7 +37,17 @@ def _random_case(seed):
     return rng, batch, nheads, nheads_k, headdim
 
 
-def _loop_attention(q, k, v, scale, causal):
+def _sees(i, j, seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), alignment="bottom_right"):
+    """The band rule for one (row, key) pair, written out independently of the module. No cut at
+    seqlen_k, so the tile tests can extend it to the padded slots of a tile."""
+    offset = seqlen_k - seqlen_q if alignment == "bottom_right" else 0
+    left, right = window_size
+    if causal:
+        right = 0
+    return (left == -1 or j >= i + offset - left) and (right == -1 or j <= i + offset + right)
+
+
+def _loop_attention(q, k, v, scale, causal, window_size=(-1, -1), alignment="bottom_right"):
     """Per-element attention with math.exp, independent of the module's vectorised code."""
     batch, sq, nheads, d = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
@@ -44,7 +55,7 @@ def _loop_attention(q, k, v, scale, causal):
     lse = np.full((batch, nheads, sq), -np.inf)
     for b, h, i in itertools.product(range(batch), range(nheads), range(sq)):
         kh = h // (nheads // nheads_k)
-        keys = [j for j in range(sk) if not causal or j - i <= sk - sq]
+        keys = [j for j in range(sk) if _sees(i, j, sq, sk, causal, window_size, alignment)]
         if not keys:
             continue
         scores = {j: scale * sum(q[b, i, h, e] * k[b, j, kh, e] for e in range(d)) for j in keys}
@@ -292,7 +303,8 @@ def test_causal_square_tile_skipping(block_m, block_n, seqlen):
     *_, visited, masked = fa2_backward_tiled(dout, q, k, v, out, lse, causal=True, block_m=block_m,
                                              block_n=block_n, return_visited=True)
     assert len(visited) == len(set(visited)) and set(visited) == want_visited
-    assert set(masked) == want_masked
+    # The backward also masks a q block that runs past seqlen_q (cuda_src/bwd.cu does).
+    assert set(masked) == want_masked | {(i, j) for i, j in want_visited if (i + 1) * block_m > seqlen}
     # Strictly below the diagonal most tiles run unmasked once the sequence spans a few blocks.
     if seqlen == 256 and block_m == block_n:
         assert len(want_visited - want_masked) > 0
@@ -314,7 +326,9 @@ def test_tile_schedule_brute_force(block_m, block_n, causal, seqlen_q, seqlen_k)
         assert js == sorted(js, reverse=True) and js[-1] == 0
     *_, visited, masked = fa2_backward_tiled(rng.standard_normal(q.shape), q, k, v, out, lse, causal=causal,
                                              block_m=block_m, block_n=block_n, return_visited=True)
-    assert set(visited) == want_visited and set(masked) == want_masked
+    # The backward also masks a q block that runs past seqlen_q (cuda_src/bwd.cu does).
+    partial_q = {(i, j) for i, j in want_visited if (i + 1) * block_m > seqlen_q}
+    assert set(visited) == want_visited and set(masked) == want_masked | partial_q
 
 
 # ----------------------------------------------------------------------------------------------
@@ -362,6 +376,386 @@ def test_seqlen_k_tail_is_masked():
     np.testing.assert_allclose(out, want_out, rtol=RTOL)
     np.testing.assert_allclose(lse, want_lse, rtol=RTOL)
     assert not np.allclose(out, attention_ref(q, k[:, :64], v[:, :64])[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Local (sliding-window) attention and the causal alignment
+# ----------------------------------------------------------------------------------------------
+
+ALIGNS = ["bottom_right", "top_left"]
+WINDOWS = [(0, 0), (3, -1), (-1, 5), (17, 4), (64, 0), (2, 0), (5, 5)]
+# (causal, window_size): every window without causal, and with causal where right is -1 or 0.
+BANDS = ([(False, w) for w in WINDOWS] + [(True, w) for w in WINDOWS if w[1] in (-1, 0)]
+         + [(True, (-1, -1))])
+BAND_SEQLENS = [(1, 1), (17, 17), (63, 65), (65, 63), (100, 130), (130, 100), (17, 100), (100, 17),
+                (1, 130), (130, 1)]
+
+
+def _band_case(*index):
+    """A seeded batch / head layout (GQA included) / head dim and a block size for one case."""
+    rng, batch, nheads, nheads_k, headdim = _random_case(list(index))
+    block_m, block_n = BLOCKS[rng.integers(len(BLOCKS))]
+    return rng, batch, nheads, nheads_k, headdim, block_m, block_n
+
+
+def _band_ids(band):
+    causal, (left, right) = band
+    return f"{'causal' if causal else 'nocausal'}-w{left}_{right}"
+
+
+@pytest.mark.parametrize("band", BANDS, ids=_band_ids)
+@pytest.mark.parametrize("alignment", ALIGNS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(4, 4), (3, 6), (6, 3)])
+def test_ref_band_matches_loop(band, alignment, seqlen_q, seqlen_k):
+    causal, window = band
+    rng = np.random.default_rng([14, seqlen_q, seqlen_k])
+    q, k, v = _qkv(rng, 2, seqlen_q, seqlen_k, 4, 2, 3)
+    out, lse = attention_ref(q, k, v, softmax_scale=0.7, causal=causal, window_size=window, alignment=alignment)
+    want_out, want_lse = _loop_attention(q, k, v, 0.7, causal, window, alignment)
+    np.testing.assert_allclose(out, want_out, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(lse, want_lse, rtol=RTOL, atol=ATOL)
+
+
+def test_band_mask_examples():
+    # Top-left: the diagonal starts at the top-left corner whatever the lengths.
+    np.testing.assert_array_equal(causal_mask(2, 5, alignment="top_left"), [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    np.testing.assert_array_equal(causal_mask(4, 2, alignment="top_left"), [[1, 0], [1, 1], [1, 1], [1, 1]])
+    np.testing.assert_array_equal(causal_mask(3, 4), causal_mask(3, 4, alignment="bottom_right"))
+    # Square: the alignments agree.
+    np.testing.assert_array_equal(causal_mask(5, 5, alignment="top_left"), causal_mask(5, 5))
+    # window (1, 1) on a square: tridiagonal.
+    tri = np.eye(5, dtype=bool) | np.eye(5, k=1, dtype=bool) | np.eye(5, k=-1, dtype=bool)
+    np.testing.assert_array_equal(attention_mask(5, 5, window_size=(1, 1)), tri)
+    # Bottom-right, offset 3: row 0 sees keys [2, 3], row 1 keys [3, 4].
+    np.testing.assert_array_equal(attention_mask(2, 5, window_size=(1, 0)), [[0, 0, 1, 1, 0], [0, 0, 0, 1, 1]])
+    np.testing.assert_array_equal(attention_mask(2, 5, window_size=(1, 0), alignment="top_left"),
+                                  [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    # Causal plus a left bound; right=-1 with causal is right=0.
+    np.testing.assert_array_equal(attention_mask(4, 4, causal=True, window_size=(1, -1)),
+                                  np.eye(4, dtype=bool) | np.eye(4, k=-1, dtype=bool))
+    np.testing.assert_array_equal(attention_mask(4, 4, causal=True, window_size=(1, 0)),
+                                  attention_mask(4, 4, causal=True, window_size=(1, -1)))
+    # No band: nothing masked.
+    assert attention_mask(3, 7).all() and attention_mask(3, 7, alignment="top_left").all()
+    # Against the per-element rule.
+    for sq, sk, causal, window, align in itertools.product([1, 4, 9], [1, 5, 9], [False, True],
+                                                           [(0, 0), (2, -1), (-1, 3), (3, 1)], ALIGNS):
+        if causal and window[1] > 0:
+            continue
+        want = [[_sees(i, j, sq, sk, causal, window, align) for j in range(sk)] for i in range(sq)]
+        np.testing.assert_array_equal(attention_mask(sq, sk, causal, window, align), want)
+
+
+@pytest.mark.parametrize("band", BANDS, ids=_band_ids)
+@pytest.mark.parametrize("alignment", ALIGNS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", BAND_SEQLENS)
+def test_fa2_band_forward_matches_ref(band, alignment, seqlen_q, seqlen_k):
+    causal, window = band
+    index = (BANDS.index(band), ALIGNS.index(alignment), seqlen_q, seqlen_k)
+    rng, batch, nheads, nheads_k, headdim, block_m, block_n = _band_case(*index)
+    q, k, v = _qkv(rng, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim)
+    kw = dict(causal=causal, window_size=window, alignment=alignment)
+    out, lse = fa2_forward_tiled(q, k, v, block_m=block_m, block_n=block_n, **kw)
+    want_out, want_lse = attention_ref(q, k, v, **kw)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    np.testing.assert_allclose(out, want_out, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(lse, want_lse, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("band", BANDS, ids=_band_ids)
+@pytest.mark.parametrize("alignment", ALIGNS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", BAND_SEQLENS)
+def test_fa2_band_backward_matches_ref(band, alignment, seqlen_q, seqlen_k):
+    causal, window = band
+    index = (BANDS.index(band), ALIGNS.index(alignment), seqlen_q, seqlen_k, 1)
+    rng, batch, nheads, nheads_k, headdim, block_m, block_n = _band_case(*index)
+    q, k, v = _qkv(rng, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim)
+    dout = rng.standard_normal(q.shape)
+    kw = dict(softmax_scale=0.3, causal=causal, window_size=window, alignment=alignment)
+    out, lse = attention_ref(q, k, v, **kw)
+    got = fa2_backward_tiled(dout, q, k, v, out, lse, block_m=block_m, block_n=block_n, **kw)
+    want = attention_bwd_ref(dout, q, k, v, **kw)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert g.shape == w.shape and not np.isnan(g).any(), name
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+def _empty_rows(seqlen_q, seqlen_k, causal, window, alignment):
+    return np.array([not any(_sees(i, j, seqlen_q, seqlen_k, causal, window, alignment) for j in range(seqlen_k))
+                     for i in range(seqlen_q)])
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (64, 32)])
+@pytest.mark.parametrize("causal,window,alignment,n_empty", [
+    (False, (2, 0), "top_left", 68),  # row i sees [i - 2, i]: rows 22.. see past key 19
+    (True, (2, -1), "top_left", 68),  # the same band through causal
+    (False, (0, 0), "top_left", 70),  # row i sees key i only
+    (False, (3, 2), "bottom_right", 68),  # offset -70: rows ..67 end left of key 0
+    (True, (5, 0), "bottom_right", 70),
+])
+def test_band_rows_without_keys(block_m, block_n, causal, window, alignment, n_empty):
+    seqlen_q, seqlen_k = 90, 20
+    rng = np.random.default_rng(15)
+    q, k, v = _qkv(rng, 2, seqlen_q, seqlen_k, 4, 2, 16)
+    dout = rng.standard_normal(q.shape)
+    kw = dict(causal=causal, window_size=window, alignment=alignment)
+    empty = _empty_rows(seqlen_q, seqlen_k, causal, window, alignment)
+    assert empty.sum() == n_empty
+    ref = attention_ref(q, k, v, **kw)
+    for out, lse in (ref, fa2_forward_tiled(q, k, v, block_m=block_m, block_n=block_n, **kw)):
+        assert not np.isnan(out).any() and not np.isnan(lse).any()
+        np.testing.assert_array_equal(out[:, empty], 0.0)
+        assert np.all(lse[:, :, empty] == -np.inf)
+        assert np.all(np.isfinite(lse[:, :, ~empty]))
+        np.testing.assert_allclose(out, ref[0], rtol=RTOL, atol=ATOL)
+    # dout in the empty rows must reach no gradient.
+    dout2 = dout.copy()
+    dout2[:, empty] = rng.standard_normal(dout2[:, empty].shape)
+    want = attention_bwd_ref(dout2, q, k, v, **kw)
+    for grads in (attention_bwd_ref(dout, q, k, v, **kw),
+                  fa2_backward_tiled(dout, q, k, v, *ref, block_m=block_m, block_n=block_n, **kw)):
+        assert not any(np.isnan(g).any() for g in grads)
+        np.testing.assert_array_equal(grads[0][:, empty], 0.0)
+        for g, w in zip(grads, want):
+            np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-11)
+
+
+def test_band_schedule_skips_and_visits_empty_tiles():
+    # top_left, window (2, 0), 90 x 20, blocks 16 x 16: q block 2 (rows 32..47, keys from 30 on)
+    # still visits key block 1 (keys 16..19, key_begin // block_n), whose every slot is masked;
+    # q blocks 3.. (key_begin >= 32) visit nothing at all and keep output 0, LSE -inf.
+    rng = np.random.default_rng(16)
+    q, k, v = _qkv(rng, 1, 90, 20, 1, 1, 8)
+    kw = dict(window_size=(2, 0), alignment="top_left", block_m=16, block_n=16)
+    out, lse, visited, masked = fa2_forward_tiled(q, k, v, return_visited=True, **kw)
+    # q block 0 reaches key 15 at most; q block 1 keys 14..19 (block 1 first, walking down).
+    assert visited == [(0, 0), (1, 1), (1, 0), (2, 1)]
+    assert masked == visited  # every tile straddles the band or seqlen_k
+    assert not np.isnan(out).any() and np.all(lse[:, :, 22:] == -np.inf)
+    *_, visited, masked = fa2_backward_tiled(rng.standard_normal(q.shape), q, k, v, out, lse,
+                                             return_visited=True, **kw)
+    # Key block 1's last row of interest is key_last - offset + left = 31 + 2: q blocks 1 and 2.
+    assert visited == [(0, 0), (1, 0), (1, 1), (2, 1)]
+
+
+def _grid_mask(seqlen_q, seqlen_k, causal, window, alignment, block_m, block_n):
+    """The band on every slot of the tile grid (rows and keys past the lengths included),
+    vectorised from _sees's rule; returns (band, row_ok, key_ok) of shape (n_q*block_m, n_k*block_n)."""
+    n_q, n_k = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
+    i = np.arange(n_q * block_m)[:, None]
+    j = np.arange(n_k * block_n)[None, :]
+    offset = seqlen_k - seqlen_q if alignment == "bottom_right" else 0
+    left, right = window
+    right = 0 if causal else right
+    band = np.ones((i.size, j.size), bool)
+    if left != -1:
+        band &= j >= i + offset - left
+    if right != -1:
+        band &= j <= i + offset + right
+    return band, np.broadcast_to(i < seqlen_q, band.shape), np.broadcast_to(j < seqlen_k, band.shape)
+
+
+def _tiles(mask, block_m, block_n):
+    """(n_q, block_m, n_k, block_n) view of a grid mask -> per-tile any, all."""
+    t = mask.reshape(mask.shape[0] // block_m, block_m, mask.shape[1] // block_n, block_n)
+    return t.any(axis=(1, 3)), t.all(axis=(1, 3))
+
+
+def _pairs(tile_mask):
+    return {(int(a), int(b)) for a, b in zip(*np.nonzero(tile_mask))}
+
+
+@pytest.mark.parametrize("band", BANDS, ids=_band_ids)
+@pytest.mark.parametrize("alignment", ALIGNS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", BAND_SEQLENS + [(300, 40), (40, 300), (64, 64), (128, 200)])
+def test_band_tile_schedule_brute_force(band, alignment, seqlen_q, seqlen_k):
+    causal, window = band
+    rng = np.random.default_rng(17)
+    q, k, v = _qkv(rng, 1, seqlen_q, seqlen_k, 1, 1, 4)
+    dout = rng.standard_normal(q.shape)
+    kw = dict(causal=causal, window_size=window, alignment=alignment)
+    out, lse = attention_ref(q, k, v, **kw)
+    for block_m, block_n in BLOCKS:
+        grid, row_ok, key_ok = _grid_mask(seqlen_q, seqlen_k, causal, window, alignment, block_m, block_n)
+        real = grid & row_ok & key_ok  # the (row, key) pairs the attention uses
+        real_any, _ = _tiles(real, block_m, block_n)
+        _, real_all = _tiles(real | ~row_ok, block_m, block_n)  # rows past seqlen_q constrain nothing
+        needed = _pairs(real_any)  # tiles with a pair the attention uses
+        cut = _pairs(~real_all)  # tiles with a real row that must not see a key slot of the tile
+        # The kernels' rule, exactly: a tile is visited iff the band (extended to every slot of the
+        # tile, rows past seqlen_q and keys past seqlen_k included) meets it; the forward masks a
+        # visited tile iff one of its slots is outside the band or past seqlen_k, the backward also
+        # iff it has rows past seqlen_q.
+        grid_any, _ = _tiles(grid, block_m, block_n)
+        _, fwd_all = _tiles(grid & key_ok, block_m, block_n)
+        _, bwd_all = _tiles(grid & key_ok & row_ok, block_m, block_n)
+        want_visited = _pairs(grid_any)
+        want_fwd_masked = want_visited & _pairs(~fwd_all)
+        want_bwd_masked = want_visited & _pairs(~bwd_all)
+
+        _, _, visited, masked = fa2_forward_tiled(q, k, v, block_m=block_m, block_n=block_n,
+                                                  return_visited=True, **kw)
+        assert len(visited) == len(set(visited)) and set(visited) == want_visited
+        assert set(masked) == want_fwd_masked and len(masked) == len(set(masked))
+        # Each q block walks a contiguous range of key blocks downwards.
+        for i in {i for i, _ in visited}:
+            js = [j for ii, j in visited if ii == i]
+            assert js == list(range(js[0], js[-1] - 1, -1))
+        # Safety: every tile the attention needs is visited, and every visited tile holding a
+        # pair it must not use is masked.
+        assert needed <= set(visited) and (set(visited) & cut) <= set(masked)
+
+        *_, visited, masked = fa2_backward_tiled(dout, q, k, v, out, lse, block_m=block_m, block_n=block_n,
+                                                 return_visited=True, **kw)
+        assert len(visited) == len(set(visited)) and set(visited) == want_visited
+        assert set(masked) == want_bwd_masked
+        # Key blocks in ascending order, each over a contiguous ascending range of q blocks.
+        js = [j for _, j in visited]
+        assert js == sorted(js)
+        for j in set(js):
+            ms = [m for m, jj in visited if jj == j]
+            assert ms == list(range(ms[0], ms[-1] + 1))
+        assert needed <= set(visited) and (set(visited) & cut) <= set(masked)
+
+        if alignment == "bottom_right":
+            # With the bottom-right alignment the last real row already reaches seqlen_k - 1 and the
+            # last real key row seqlen_q - 1, so the padded slots add nothing: visited tiles are
+            # exactly those the attention needs.
+            assert want_visited == needed
+            if seqlen_q % block_m == 0:
+                assert want_fwd_masked == needed & cut
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,causal,window,alignment", [
+    (5, 6, False, (1, 1), "bottom_right"),
+    (5, 6, False, (1, 1), "top_left"),
+    (6, 4, True, (1, -1), "top_left"),
+    (6, 3, False, (0, 0), "top_left"),  # rows 3.. see no key; the rest see one: dq = dk = 0
+    (6, 3, False, (1, 0), "top_left"),  # rows 4.. see no key
+    (4, 6, True, (2, 0), "bottom_right"),
+    (6, 4, False, (2, 1), "bottom_right"),  # row 0 sees no key
+    (5, 5, False, (-1, 1), "bottom_right"),
+])
+def test_bwd_ref_band_finite_differences(seqlen_q, seqlen_k, causal, window, alignment):
+    rng = np.random.default_rng([18, seqlen_q, seqlen_k])
+    q, k, v = _qkv(rng, 1, seqlen_q, seqlen_k, 2, 1, 4)
+    dout = rng.standard_normal(q.shape)
+    kw = dict(softmax_scale=0.8, causal=causal, window_size=window, alignment=alignment)
+
+    def f(q, k, v):
+        return np.sum(attention_ref(q, k, v, **kw)[0] * dout)
+
+    grads = attention_bwd_ref(dout, q, k, v, **kw)
+    eps = 1e-5
+    for which, grad in enumerate(grads):
+        args = [q.copy(), k.copy(), v.copy()]
+        x = args[which]
+        numeric = np.zeros(x.shape)
+        for idx in np.ndindex(x.shape):
+            orig = x[idx]
+            x[idx] = orig + eps
+            up = f(*args)
+            x[idx] = orig - eps
+            down = f(*args)
+            x[idx] = orig
+            numeric[idx] = (up - down) / (2 * eps)
+        # Relative to the gradient's size, absolute where it is 0 (a row seeing one key only
+        # gives no dq, dk).
+        err = np.max(np.abs(grad - numeric)) / max(np.max(np.abs(numeric)), 1e-2)
+        assert err < 1e-6, ("dq", "dk", "dv")[which]
+
+
+def test_window_changes_the_result():
+    rng = np.random.default_rng(19)
+    q, k, v = _qkv(rng, 2, 100, 100, 2, 1, 16)
+    full_out, full_lse = attention_ref(q, k, v)
+    for fn, extra in ((attention_ref, {}), (fa2_forward_tiled, {"block_m": 32, "block_n": 16})):
+        local_out, local_lse = fn(q, k, v, window_size=(3, 3), **extra)
+        # Every row sees at most 7 of the 100 keys: every row's output and LSE differ.
+        assert (np.abs(local_out - full_out).max(axis=(0, 2, 3)) > 1e-3).all()
+        assert (np.abs(local_lse - full_lse).min() > 1e-6)
+        # window (0, 0) on a square: row i sees key i only, so its output is v[i].
+        diag_out, _ = fn(q, k, v, window_size=(0, 0), **extra)
+        np.testing.assert_allclose(diag_out, np.repeat(v, 2, axis=2), rtol=RTOL, atol=ATOL)
+    # The alignment matters once seqlen_q != seqlen_k, for causal and for a window.
+    q2 = q[:, :40]
+    for kw in (dict(causal=True), dict(window_size=(4, 4))):
+        br = attention_ref(q2, k, v, alignment="bottom_right", **kw)[0]
+        tl = attention_ref(q2, k, v, alignment="top_left", **kw)[0]
+        assert np.abs(br - tl).max() > 1e-3
+        np.testing.assert_allclose(fa2_forward_tiled(q2, k, v, alignment="top_left", block_m=16, block_n=32,
+                                                     **kw)[0], tl, rtol=RTOL, atol=ATOL)
+
+
+def test_unbounded_windows_change_nothing():
+    rng = np.random.default_rng(20)
+    q, k, v = _qkv(rng, 1, 40, 70, 2, 2, 8)
+    dout = rng.standard_normal(q.shape)
+    full, causal = attention_ref(q, k, v), attention_ref(q, k, v, causal=True)
+    for align in ALIGNS:
+        for got, want in ((attention_ref(q, k, v, window_size=(-1, -1), alignment=align), full),
+                          (attention_ref(q, k, v, window_size=(200, 200), alignment=align), full),
+                          (fa2_forward_tiled(q, k, v, window_size=(110, 110), alignment=align), full)):
+            np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL)
+            np.testing.assert_allclose(got[1], want[1], rtol=RTOL, atol=ATOL)
+    for window in ((-1, 0), (-1, -1), (500, 0)):
+        got = attention_ref(q, k, v, causal=True, window_size=window)
+        np.testing.assert_array_equal(got[0], causal[0])
+        np.testing.assert_array_equal(got[1], causal[1])
+    # Square: the alignment makes no difference.
+    qs, ks, vs = q, k[:, :40], v[:, :40]
+    for kw in (dict(causal=True), dict(window_size=(3, 5)), dict(causal=True, window_size=(7, 0))):
+        np.testing.assert_array_equal(attention_ref(qs, ks, vs, alignment="top_left", **kw)[0],
+                                      attention_ref(qs, ks, vs, **kw)[0])
+        np.testing.assert_array_equal(attention_bwd_ref(dout, qs, ks, vs, alignment="top_left", **kw)[1],
+                                      attention_bwd_ref(dout, qs, ks, vs, **kw)[1])
+
+
+BAD_WINDOWS = [(1,), (1, 2, 3), 5, None, "ab", (-2, 0), (0, -3), (1.5, 0), (1.0, 2), ("1", 2), (True, 0)]
+BAD_ALIGNMENTS = ["bottom-right", "center", "", None, 0, "TOP_LEFT"]
+
+
+def _band_calls():
+    """Each public function that takes the band options, as f(**band_kwargs)."""
+    rng = np.random.default_rng(21)
+    q, k, v = _qkv(rng, 1, 6, 5, 2, 1, 4)
+    dout = rng.standard_normal(q.shape)
+    out, lse = attention_ref(q, k, v)
+    return {
+        "attention_ref": lambda **kw: attention_ref(q, k, v, **kw),
+        "attention_bwd_ref": lambda **kw: attention_bwd_ref(dout, q, k, v, **kw),
+        "fa2_forward_tiled": lambda **kw: fa2_forward_tiled(q, k, v, block_m=16, block_n=16, **kw),
+        "fa2_backward_tiled": lambda **kw: fa2_backward_tiled(dout, q, k, v, out, lse, block_m=16, block_n=16,
+                                                              **kw),
+        "attention_mask": lambda **kw: attention_mask(6, 5, **kw),
+    }
+
+
+@pytest.mark.parametrize("name", list(_band_calls()))
+def test_band_validation(name):
+    call = _band_calls()[name]
+    for window in BAD_WINDOWS:
+        with pytest.raises(ValueError, match="window_size"):
+            call(window_size=window)
+    for alignment in BAD_ALIGNMENTS:
+        with pytest.raises(ValueError, match="alignment"):
+            call(alignment=alignment)
+    # causal means right = 0: a window reaching further right is a contradiction.
+    for window in ((3, 1), (-1, 2)):
+        with pytest.raises(ValueError, match="window_size"):
+            call(causal=True, window_size=window)
+    # Accepted: -1 or 0 on the right with causal, lists, NumPy ints, both alignments.
+    for kw in (dict(causal=True, window_size=(3, 0)), dict(causal=True, window_size=[3, -1]),
+               dict(window_size=(np.int64(2), np.int32(1))), dict(alignment="top_left"),
+               dict(window_size=(0, 0), alignment="bottom_right")):
+        call(**kw)
+
+
+def test_causal_mask_alignment_validation():
+    with pytest.raises(ValueError, match="alignment"):
+        causal_mask(3, 4, alignment="topleft")
+    with pytest.raises(ValueError, match="alignment"):
+        causal_mask(3, 4, "bottom")
 
 
 # ----------------------------------------------------------------------------------------------

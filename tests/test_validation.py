@@ -158,3 +158,23 @@ def test_overlapping_outputs_refused():
         check_backward_inputs(q, q, kv, kv, q, lse, None, {"dk": spec((2, 77, 8, 64), strides=(77 * 64, 64, 8, 1))})
     with pytest.raises(ValueError, match="dq has overlapping elements"):
         check_backward_inputs(q, q, kv, kv, q, lse, None, {"dq": broadcast})
+
+
+def test_band_options():
+    from flashcupy.validation import check_band
+
+    check_band(False, (-1, -1), "bottom_right")
+    check_band(True, (128, 0), "top_left")
+    check_band(True, (128, -1), "bottom_right")
+    with pytest.raises(ValueError, match="causal=True already limits"):
+        check_band(True, (4, 4), "bottom_right")
+    with pytest.raises(ValueError, match="window_size left must be an int >= -1"):
+        check_band(False, (-2, 0), "bottom_right")
+    with pytest.raises(ValueError, match="window_size right must be an int"):
+        check_band(False, (3, 1.5), "bottom_right")
+    with pytest.raises(TypeError, match="window_size must be a pair"):
+        check_band(False, 5, "bottom_right")
+    with pytest.raises(ValueError, match="alignment must be one of"):
+        check_band(False, (-1, -1), "diagonal")
+    with pytest.raises(TypeError, match="causal must be True or False"):
+        check_band("yes", (-1, -1), "bottom_right")
