@@ -419,7 +419,7 @@ def check_command(ctx, head_dims, seed):
                     ok, cells = False, f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
                 failures += not ok
                 name = (str(variant) if direction == "fwd" else
-                        f"bwd d={variant.head_dim} {variant.dtype} causal={variant.causal}")
+                        f"bwd d={variant.head_dim} {variant.dtype} local={variant.local}")
                 click.echo(f"{name:<62} {f'{seqlen_q}x{seqlen_k}':>9} {cells}  {'PASS' if ok else 'FAIL'}")
     if not backward:
         click.echo("backward: skipped (flashcupy has no flash_attn_backward yet)")
@@ -456,11 +456,11 @@ def _check_forward(variant, seqlen_q, seqlen_k, rng):
     from flashcupy.reference import attention_ref
 
     q, k, v = _random_inputs(rng, variant, seqlen_q, seqlen_k, 1)
-    out, lse = flashcupy.flash_attn_func(*(cupy.asarray(a) for a in (q, k, v)), causal=variant.causal,
+    out, lse = flashcupy.flash_attn_func(*(cupy.asarray(a) for a in (q, k, v)), causal=variant.local,
                                          return_lse=True)
     out = cupy.asnumpy(out).astype(np.float64)
     lse = cupy.asnumpy(lse).astype(np.float64)
-    ref_out, ref_lse = attention_ref(*(a.astype(np.float64) for a in (q, k, v)), causal=variant.causal)
+    ref_out, ref_lse = attention_ref(*(a.astype(np.float64) for a in (q, k, v)), causal=variant.local)
     rel, max_abs = _rel_err(out, ref_out)
     # rows that see no key: the reference says LSE -inf, and so must the kernel
     empty_rows_agree = np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
@@ -478,9 +478,9 @@ def _check_backward(variant, seqlen_q, seqlen_k, rng):
 
     q, dout, k, v = _random_inputs(rng, variant, seqlen_q, seqlen_k, 2)
     q_d, k_d, v_d, dout_d = (cupy.asarray(a) for a in (q, k, v, dout))
-    out, lse = flashcupy.flash_attn_func(q_d, k_d, v_d, causal=variant.causal, return_lse=True)
-    grads = flashcupy.flash_attn_backward(dout_d, q_d, k_d, v_d, out, lse, causal=variant.causal)
-    refs = attention_bwd_ref(*(a.astype(np.float64) for a in (dout, q, k, v)), causal=variant.causal)
+    out, lse = flashcupy.flash_attn_func(q_d, k_d, v_d, causal=variant.local, return_lse=True)
+    grads = flashcupy.flash_attn_backward(dout_d, q_d, k_d, v_d, out, lse, causal=variant.local)
+    refs = attention_bwd_ref(*(a.astype(np.float64) for a in (dout, q, k, v)), causal=variant.local)
     rel = max_abs = 0.0
     ok = True
     for grad, ref in zip(grads, refs):
