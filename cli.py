@@ -127,24 +127,29 @@ def _capability(info) -> str:
 # ----------------------------------------------------------------------------------------------
 
 BWD_HELPER_KERNELS = ("flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel")
+# `compile --causal`: off builds the unmasked kernels, on the masked ones (causal and local).
+_MASKS_FOR_CAUSAL = {"off": ("none",), "on": ("causal", "local"), "both": configs.MASKS}
+# The masking each variant is checked with: the local kernels with a two-sided top-left window.
+_MASK_CASES = {"none": {}, "causal": {"causal": True},
+               "local": {"window_size": (48, 16), "alignment": "top_left"}}
 
 
 def fwd_variants(capability, smem_optin=None, head_dims=configs.SUPPORTED_HEAD_DIMS,
-                 dtypes=configs.DTYPE_NAMES, causals=(False, True)) -> list:
+                 dtypes=configs.DTYPE_NAMES, masks=configs.MASKS) -> list:
     """Forward variants the dispatcher picks, in configs.all_fwd_variants' order.
 
     With the device's opt-in shared memory the tiles are the ones flash_attn_func takes there;
     without it, those of the capability's nominal limit (what all_fwd_variants gives).
     """
-    return [configs.fwd_variant(d, dt, c, capability, smem_optin)
-            for d in head_dims for dt in dtypes for c in causals]
+    return [configs.fwd_variant(d, dt, m, capability, smem_optin)
+            for d in head_dims for dt in dtypes for m in masks]
 
 
 def bwd_variants(capability, smem_optin=None, head_dims=configs.SUPPORTED_HEAD_DIMS,
-                 dtypes=configs.DTYPE_NAMES, causals=(False, True), deterministic=(False, True)) -> list:
+                 dtypes=configs.DTYPE_NAMES, masks=configs.MASKS, deterministic=(False, True)) -> list:
     """Backward kernels (main, then preprocess and dQ convert), as configs.all_bwd_variants lists them."""
-    mains = [configs.bwd_variant(d, dt, c, det, capability, smem_optin)
-             for d in head_dims for dt in dtypes for c in causals for det in deterministic]
+    mains = [configs.bwd_variant(d, dt, m, det, capability, smem_optin)
+             for d in head_dims for dt in dtypes for m in masks for det in deterministic]
     helpers = [configs.BwdHelperVariant(kernel, d, dt) for kernel in BWD_HELPER_KERNELS
                for d in head_dims for dt in dtypes]
     return mains + helpers
@@ -338,7 +343,7 @@ def compile_command(ctx, head_dims, dtypes, direction, causal, deterministic, jo
     # The variants are chosen here, from this device's opt-in shared memory, and handed to the
     # workers as they are: every worker builds exactly what flash_attn_func will ask for.
     names = tuple(bench.DTYPES[d] for d in dtypes)
-    choice = {"head_dims": head_dims, "dtypes": names, "causals": _OFF_ON[causal]}
+    choice = {"head_dims": head_dims, "dtypes": names, "masks": _MASKS_FOR_CAUSAL[causal]}
     try:
         variants = []
         if direction in ("fwd", "all"):
@@ -419,7 +424,7 @@ def check_command(ctx, head_dims, seed):
                     ok, cells = False, f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
                 failures += not ok
                 name = (str(variant) if direction == "fwd" else
-                        f"bwd d={variant.head_dim} {variant.dtype} local={variant.local}")
+                        f"bwd d={variant.head_dim} {variant.dtype} mask={variant.mask}")
                 click.echo(f"{name:<62} {f'{seqlen_q}x{seqlen_k}':>9} {cells}  {'PASS' if ok else 'FAIL'}")
     if not backward:
         click.echo("backward: skipped (flashcupy has no flash_attn_backward yet)")
@@ -456,11 +461,11 @@ def _check_forward(variant, seqlen_q, seqlen_k, rng):
     from flashcupy.reference import attention_ref
 
     q, k, v = _random_inputs(rng, variant, seqlen_q, seqlen_k, 1)
-    out, lse = flashcupy.flash_attn_func(*(cupy.asarray(a) for a in (q, k, v)), causal=variant.local,
-                                         return_lse=True)
+    out, lse = flashcupy.flash_attn_func(*(cupy.asarray(a) for a in (q, k, v)), return_lse=True,
+                                         **_MASK_CASES[variant.mask])
     out = cupy.asnumpy(out).astype(np.float64)
     lse = cupy.asnumpy(lse).astype(np.float64)
-    ref_out, ref_lse = attention_ref(*(a.astype(np.float64) for a in (q, k, v)), causal=variant.local)
+    ref_out, ref_lse = attention_ref(*(a.astype(np.float64) for a in (q, k, v)), **_MASK_CASES[variant.mask])
     rel, max_abs = _rel_err(out, ref_out)
     # rows that see no key: the reference says LSE -inf, and so must the kernel
     empty_rows_agree = np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
@@ -478,9 +483,10 @@ def _check_backward(variant, seqlen_q, seqlen_k, rng):
 
     q, dout, k, v = _random_inputs(rng, variant, seqlen_q, seqlen_k, 2)
     q_d, k_d, v_d, dout_d = (cupy.asarray(a) for a in (q, k, v, dout))
-    out, lse = flashcupy.flash_attn_func(q_d, k_d, v_d, causal=variant.local, return_lse=True)
-    grads = flashcupy.flash_attn_backward(dout_d, q_d, k_d, v_d, out, lse, causal=variant.local)
-    refs = attention_bwd_ref(*(a.astype(np.float64) for a in (dout, q, k, v)), causal=variant.local)
+    mask = _MASK_CASES[variant.mask]
+    out, lse = flashcupy.flash_attn_func(q_d, k_d, v_d, return_lse=True, **mask)
+    grads = flashcupy.flash_attn_backward(dout_d, q_d, k_d, v_d, out, lse, **mask)
+    refs = attention_bwd_ref(*(a.astype(np.float64) for a in (dout, q, k, v)), **mask)
     rel = max_abs = 0.0
     ok = True
     for grad, ref in zip(grads, refs):

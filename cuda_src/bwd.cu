@@ -9,7 +9,7 @@
 // (FA2 Algorithm 2), with c = softmax_scale * log2(e):
 //
 //   load K_j, V_j once; dK_j = dV_j = 0 (registers)
-//   for i = first .. last q block that sees block j:       // local (causal, window): others skipped
+//   for i = first .. last q block that sees block j:       // causal / local: others skipped
 //       load Q_i, dO_i, LSE_i, D_i (prefetched one block ahead when kStages == 2)
 //       S^T  = K_j Q_i^T                                   // keys x queries
 //       P^T  = exp2(S^T * c - LSE_i * log2(e))             // masked where j straddles an edge
@@ -140,8 +140,8 @@ struct BwdTraits {
     static_assert(kStages == 1 || kStages == 2, "one or two stages");
 };
 
-template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_local, bool Is_bf16,
-          bool Is_deterministic>
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_causal, bool Is_local,
+          bool Is_bf16, bool Is_deterministic>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   headdim)
                  const u16* __restrict__ k,     // (batch, seqlen_k, nheads_k, headdim)
@@ -160,7 +160,7 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
                  const i64 do_batch_stride, const i64 do_row_stride, const i64 do_head_stride,
                  const i64 dk_batch_stride, const i64 dk_row_stride, const i64 dk_head_stride,
                  const i64 dv_batch_stride, const i64 dv_row_stride, const i64 dv_head_stride,
-                 const int band_offset, const int window_left, const int window_right,  // mask.cuh
+                 const int band_offset, const int window_left, const int window_right,  // Is_local, mask.cuh
                  const float softmax_scale, const float scale_log2) {
     using T = BwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, kStages>;
     constexpr float kLog2e = 1.4426950408889634f;
@@ -179,20 +179,23 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
     const int num_m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
     int n_block, head, batch;
     // Causal: key block 0 sees every q block, so ascending key blocks are heaviest first.
-    block_coords<Is_local, false>(blockIdx.x, num_n_blocks, nheads, n_block, head, batch);
+    block_coords<Is_causal || Is_local, false>(blockIdx.x, num_n_blocks, nheads, n_block, head, batch);
     const int kv_head = head / heads_per_kv_head;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int key0 = n_block * kBlockN;
     const int keys_valid = min(kBlockN, seqlen_k - key0);
-    // The q blocks whose rows see a key of this block (mask.cuh's band: row i sees keys
-    // [i + offset - left, i + offset + right]): from the block of row key0 - offset - right to the
-    // block of row key_last - offset + left. C++ division truncates toward zero, so negative rows
-    // are handled apart.
-    const int row_first = key0 - band_offset - window_right;
-    const int row_last = key0 + kBlockN - 1 - band_offset + window_left;
-    const int m_block_min = Is_local ? max(0, row_first / kBlockM) : 0;
-    const int m_block_max = Is_local ? (row_last < 0 ? 0 : min(num_m_blocks, row_last / kBlockM + 1)) : num_m_blocks;
+    // First q block holding a row that sees key0 (row key0 + seqlen_q - seqlen_k); C++ division
+    // truncates toward zero, and max() covers a negative row.
+    // Is_local (mask.cuh's band, row i sees keys [i + offset - left, i + offset + right]): from the
+    // block of row key0 - offset - right to the block of row key_last - offset + left.
+    const int band_row_first = key0 - band_offset - window_right;
+    const int band_row_last = key0 + kBlockN - 1 - band_offset + window_left;
+    const int m_block_min = Is_local    ? max(0, band_row_first / kBlockM)
+                            : Is_causal ? max(0, (key0 + seqlen_q - seqlen_k) / kBlockM)
+                                        : 0;
+    const int m_block_max =
+        Is_local ? (band_row_last < 0 ? 0 : min(num_m_blocks, band_row_last / kBlockM + 1)) : num_m_blocks;
 
     const u16* gQ = q + batch * q_batch_stride + head * q_head_stride;
     const u16* gdO = dout + batch * do_batch_stride + head * do_head_stride;
@@ -222,7 +225,7 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
         }
     };
 
-    const int m_count = max(0, m_block_max - m_block_min);
+    const int m_count = Is_local ? max(0, m_block_max - m_block_min) : m_block_max - m_block_min;
     k_loader.load(sK_base, gK, keys_valid);
     v_loader.load(sV_base, gV, keys_valid);
     if (m_count > 0) load_q_block(m_block_min, 0);
@@ -286,9 +289,10 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
             }
         }
 
-        // Mask only blocks that straddle seqlen_k, seqlen_q or an edge of the band. Element (nt, e) of this
+        // Mask only blocks that straddle seqlen_k, seqlen_q or the diagonal. Element (nt, e) of this
         // thread is key key0 + 16 kg + g + 8 (e / 2) and query row0 + 8 nt + 2 t + (e % 2).
         const bool needs_mask = key0 + kBlockN > seqlen_k || row0 + kBlockM > seqlen_q ||
+                                (Is_causal && key0 + kBlockN - 1 > row0 + seqlen_k - seqlen_q) ||
                                 (Is_local && (key0 + kBlockN - 1 > row0 + band_offset + window_right ||
                                               key0 < row0 + kBlockM - 1 + band_offset - window_left));
         if (needs_mask) {
@@ -299,6 +303,7 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
                     const int key = key0 + 16 * kg + g + 8 * (e >> 1);
                     const int row = row0 + 8 * nt + 2 * t + (e & 1);
                     const bool masked = key >= seqlen_k || row >= seqlen_q ||
+                                        (Is_causal && key > row + seqlen_k - seqlen_q) ||
                                         (Is_local && (key > row + band_offset + window_right ||
                                                       key < row + band_offset - window_left));
                     if (masked) acc_s[nt][e] = -FC_INF;
@@ -378,8 +383,9 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
         }
         int* sem = dq_semaphore + (i64(batch) * nheads + head) * num_m_blocks + m_block;
         if (Is_deterministic) {
-            // Add in key-block order: the key blocks that reach q block i are a contiguous range
-            // from the one holding key row0 + offset - left; block j waits for those before it.
+            // Add in key-block order: the key blocks that reach q block i are a contiguous range,
+            // from 0 or (Is_local) from the one holding key row0 + offset - left; block j waits for
+            // those before it.
             const int n_first = Is_local ? max(0, row0 + band_offset - window_left) / kBlockN : 0;
             if (tid == 0)
                 while (ld_acquire(sem) != n_block - n_first) asm volatile("nanosleep.u32 64;\n");

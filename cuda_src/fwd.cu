@@ -4,7 +4,7 @@
 //
 //   load Q_i                                   // once, into shared memory
 //   m = -inf, l = 0, O = 0                     // registers
-//   for j = n_block_max - 1 down to n_block_min: // local (causal, window): blocks outside the band never visited
+//   for j = n_block_max - 1 down to n_block_min: // causal / local: blocks outside never visited
 //       load V_j (async, overlaps S)           // K_j was prefetched during the previous PV
 //       S = Q_i K_j^T                          // tensor cores, fp32 accumulators
 //       mask S if block j straddles seqlen_k or the diagonal
@@ -22,10 +22,10 @@
 #include "mask.cuh"
 #include "grid.cuh"
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool Is_local_, bool Is_bf16_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool Is_causal_, bool Is_local_, bool Is_bf16_>
 struct FwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
-    static constexpr bool Is_local = Is_local_, Is_bf16 = Is_bf16_;
+    static constexpr bool Is_causal = Is_causal_, Is_local = Is_local_, Is_bf16 = Is_bf16_;
     static constexpr int kThreads = kNWarps * 32;
     static constexpr int kRowsPerWarp = kBlockM / kNWarps;
     static constexpr int kMTiles = kRowsPerWarp / 16;  // 16-row mma tiles per warp
@@ -39,7 +39,7 @@ struct FwdTraits {
     static_assert(kBlockN % 16 == 0, "key block must be a multiple of 16");
 };
 
-template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool Is_local, bool Is_bf16>
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool Is_causal, bool Is_local, bool Is_bf16>
 __global__ void __launch_bounds__(kNWarps * 32)
 flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   headdim), strides below
                  const u16* __restrict__ k,    // (batch, seqlen_k, nheads_k, headdim)
@@ -51,16 +51,16 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
                  const i64 k_batch_stride, const i64 k_row_stride, const i64 k_head_stride,
                  const i64 v_batch_stride, const i64 v_row_stride, const i64 v_head_stride,
                  const i64 o_batch_stride, const i64 o_row_stride, const i64 o_head_stride,
-                 const int band_offset, const int window_left, const int window_right,  // mask.cuh
+                 const int band_offset, const int window_left, const int window_right,  // Is_local, mask.cuh
                  const float softmax_scale, const float scale_log2) {
-    using T = FwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, Is_local, Is_bf16>;
+    using T = FwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, Is_causal, Is_local, Is_bf16>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw);
     u16* sK = sQ + kBlockM * T::kPitch;
     u16* sV = sK + kBlockN * T::kPitch;
 
     int m_block, head, batch;
-    block_coords<Is_local, Is_local>(blockIdx.x, (seqlen_q + kBlockM - 1) / kBlockM, nheads, m_block, head, batch);
+    block_coords<Is_causal || Is_local, Is_causal || Is_local>(blockIdx.x, (seqlen_q + kBlockM - 1) / kBlockM, nheads, m_block, head, batch);
     const int kv_head = head / heads_per_kv_head;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int row0 = m_block * kBlockM;
@@ -72,8 +72,8 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
     u16* gO = out + batch * o_batch_stride + head * o_head_stride + row0 * o_row_stride;
     float* gLse = lse + (i64(batch) * nheads + head) * seqlen_q + row0;
 
-    const Mask<Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, window_left, window_right};
-    const int n_block_min = mask.key_begin(row0) / kBlockN;
+    const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, window_left, window_right};
+    const int n_block_min = Is_local ? mask.key_begin(row0) / kBlockN : 0;
     const int n_block_max = (mask.key_end(row0) + kBlockN - 1) / kBlockN;  // <= n_block_min: no key
     const int warp_row0 = warp * T::kRowsPerWarp;  // first row of this warp within the q block
     const int g = lane >> 2, t = lane & 3;

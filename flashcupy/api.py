@@ -102,7 +102,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
             for name, a in (("q", q), ("k", k), ("v", v)):
                 check_pointer_alignment(name, a.data.ptr)
             info = device_info(q.device.id)
-            variant = configs.fwd_variant(head_dim, dtype_name(q.dtype), band.local, info.capability,
+            variant = configs.fwd_variant(head_dim, dtype_name(q.dtype), band.mask, info.capability,
                                           info.smem_per_block_optin)
             kernel = build.get_kernel(variant)
             plan = launch.plan_forward(variant, batch, nheads, seqlen_q)
@@ -164,7 +164,7 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
             check_pointer_alignment(name, a.data.ptr)
         info = device_info(q.device.id)
         dtype = dtype_name(q.dtype)
-        variant = configs.bwd_variant(head_dim, dtype, band.local, deterministic, info.capability,
+        variant = configs.bwd_variant(head_dim, dtype, band.mask, deterministic, info.capability,
                                       info.smem_per_block_optin)
         plans = launch.plan_backward(variant, batch, nheads, seqlen_q, seqlen_k)
 

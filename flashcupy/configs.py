@@ -10,6 +10,16 @@ from dataclasses import dataclass
 
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 DTYPE_NAMES = ("float16", "bfloat16")
+# Masking modes of the kernels (cuda_src/mask.cuh): none; bottom-right causal; the general band
+# (sliding windows, causal with a window, top-left causal), whose bounds are run-time arguments.
+MASKS = ("none", "causal", "local")
+
+
+def mask_flags(mask: str) -> str:
+    """The kernels' `Is_causal, Is_local` template arguments for a masking mode."""
+    if mask not in MASKS:
+        raise ValueError(f"mask must be one of {MASKS}; got {mask!r}")
+    return f"{str(mask == 'causal').lower()}, {str(mask == 'local').lower()}"
 
 # Padding of each shared-memory row, in elements (see cuda_src/tile.cuh).
 SMEM_ROW_PAD = 8
@@ -58,7 +68,7 @@ class FwdVariant:
 
     head_dim: int
     tile: FwdTile
-    local: bool  # band mask (causal and/or sliding window; bounds at run time, cuda_src/mask.cuh)
+    mask: str  # one of MASKS
     dtype: str  # "float16" or "bfloat16"
 
     @property
@@ -70,7 +80,7 @@ class FwdVariant:
         """The template instance, as NVRTC's name expressions want it."""
         t = self.tile
         return (f"flash_fwd_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}, "
-                f"{str(self.local).lower()}, {str(self.dtype == 'bfloat16').lower()}>")
+                f"{mask_flags(self.mask)}, {str(self.dtype == 'bfloat16').lower()}>")
 
     @property
     def smem_bytes(self) -> int:
@@ -78,7 +88,7 @@ class FwdVariant:
 
     def __str__(self) -> str:
         t = self.tile
-        return (f"fwd d={self.head_dim} {self.dtype} local={self.local} "
+        return (f"fwd d={self.head_dim} {self.dtype} mask={self.mask} "
                 f"tile={t.block_m}x{t.block_n} warps={t.num_warps}")
 
 
@@ -157,9 +167,10 @@ def smem_limit(capability: int) -> int:
     return SMEM_PER_BLOCK_OPTIN[max(known)] if known else 48 * 1024
 
 
-def fwd_variant(head_dim: int, dtype: str, local: bool, capability: int,
+def fwd_variant(head_dim: int, dtype: str, mask: str, capability: int,
                 smem_optin: int | None = None) -> FwdVariant:
-    return FwdVariant(head_dim, fwd_tile(head_dim, capability, smem_optin), bool(local), dtype)
+    mask_flags(mask)  # validates
+    return FwdVariant(head_dim, fwd_tile(head_dim, capability, smem_optin), mask, dtype)
 
 
 @dataclass(frozen=True)
@@ -168,7 +179,7 @@ class BwdVariant:
 
     head_dim: int
     tile: BwdTile
-    local: bool  # band mask (causal and/or sliding window)
+    mask: str  # one of MASKS
     dtype: str
     deterministic: bool
 
@@ -178,7 +189,7 @@ class BwdVariant:
     def name_expression(self) -> str:
         t = self.tile
         return (f"flash_bwd_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}, {t.stages}, "
-                f"{str(self.local).lower()}, {str(self.dtype == 'bfloat16').lower()}, "
+                f"{mask_flags(self.mask)}, {str(self.dtype == 'bfloat16').lower()}, "
                 f"{str(self.deterministic).lower()}>")
 
     @property
@@ -187,7 +198,7 @@ class BwdVariant:
 
     def __str__(self) -> str:
         t = self.tile
-        return (f"bwd d={self.head_dim} {self.dtype} local={self.local} deterministic={self.deterministic} "
+        return (f"bwd d={self.head_dim} {self.dtype} mask={self.mask} deterministic={self.deterministic} "
                 f"tile={t.block_m}x{t.block_n} warps={t.num_warps} stages={t.stages}")
 
 
@@ -210,16 +221,16 @@ class BwdHelperVariant:
         return f"{self.kernel.replace('flash_bwd_', '').replace('_kernel', '')} d={self.head_dim} {self.dtype}"
 
 
-def bwd_variant(head_dim: int, dtype: str, local: bool, deterministic: bool, capability: int,
+def bwd_variant(head_dim: int, dtype: str, mask: str, deterministic: bool, capability: int,
                 smem_optin: int | None = None) -> BwdVariant:
-    return BwdVariant(head_dim, bwd_tile(head_dim, capability, smem_optin), bool(local), dtype,
-                      bool(deterministic))
+    mask_flags(mask)  # validates
+    return BwdVariant(head_dim, bwd_tile(head_dim, capability, smem_optin), mask, dtype, bool(deterministic))
 
 
 def all_bwd_variants(capability: int) -> list:
     """Every backward kernel (main, preprocess, dQ convert) the dispatcher can pick."""
-    mains = [bwd_variant(d, dt, c, det, capability) for d in SUPPORTED_HEAD_DIMS for dt in DTYPE_NAMES
-             for c in (False, True) for det in (False, True)]
+    mains = [bwd_variant(d, dt, m, det, capability) for d in SUPPORTED_HEAD_DIMS for dt in DTYPE_NAMES
+             for m in MASKS for det in (False, True)]
     helpers = [BwdHelperVariant(kernel, d, dt) for kernel in ("flash_bwd_preprocess_kernel",
                                                               "flash_bwd_convert_dq_kernel")
                for d in SUPPORTED_HEAD_DIMS for dt in DTYPE_NAMES]
@@ -228,5 +239,4 @@ def all_bwd_variants(capability: int) -> list:
 
 def all_fwd_variants(capability: int) -> list[FwdVariant]:
     """Every forward variant the dispatcher can pick on a device of this capability."""
-    return [fwd_variant(d, dt, c, capability)
-            for d in SUPPORTED_HEAD_DIMS for dt in DTYPE_NAMES for c in (False, True)]
+    return [fwd_variant(d, dt, m, capability) for d in SUPPORTED_HEAD_DIMS for dt in DTYPE_NAMES for m in MASKS]

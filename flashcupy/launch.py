@@ -29,29 +29,34 @@ def plan_forward(variant: FwdVariant, batch: int, nheads: int, seqlen_q: int) ->
 
 @dataclass(frozen=True)
 class Band:
-    """The kernels' band mask (cuda_src/mask.cuh): row i sees keys [i + offset - left, i + offset + right]."""
+    """The kernels' masking (cuda_src/mask.cuh): mode "none", "causal" (bottom-right) or "local",
+    the band where row i sees keys [i + offset - left, i + offset + right]."""
 
-    local: bool  # any band at all (causal and/or window); else only seqlen_k bounds the keys
-    offset: int
-    left: int
-    right: int
+    mask: str
+    offset: int = 0
+    left: int = 0
+    right: int = 0
 
     def kernel_args(self):
         return (np.int32(self.offset), np.int32(self.left), np.int32(self.right))
 
 
 def plan_band(causal: bool, window_size, alignment: str, seqlen_q: int, seqlen_k: int) -> Band:
-    """Causal is the band (unbounded, 0); -1 in window_size is unbounded, passed as a bound no row
-    reaches. Bottom-right alignment puts row seqlen_q - 1 on key seqlen_k - 1."""
+    """Plain bottom-right causal takes the kernels' own causal instance; every other band the local
+    one, where causal is right = 0 and -1 in window_size a bound no row reaches."""
     left, right = (int(w) for w in window_size)
     if causal:
         right = 0
+    if left < 0 and right < 0:
+        return Band("none")
+    if causal and left < 0 and alignment == "bottom_right":
+        return Band("causal")
     unbounded = seqlen_q + seqlen_k + 256  # past every row's keys, even counted from a block's last row
     if unbounded >= 2**30:
-        raise ValueError(f"seqlen_q + seqlen_k = {unbounded} is too large for the kernels' 32-bit row arithmetic")
+        raise ValueError(f"seqlen_q + seqlen_k = {seqlen_q + seqlen_k} is too large for the kernels' 32-bit "
+                         "row arithmetic")
     offset = seqlen_k - seqlen_q if alignment == "bottom_right" else 0
-    return Band(causal or left >= 0 or right >= 0, offset, left if left >= 0 else unbounded,
-                right if right >= 0 else unbounded)
+    return Band("local", offset, left if left >= 0 else unbounded, right if right >= 0 else unbounded)
 
 
 @dataclass(frozen=True)

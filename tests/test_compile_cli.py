@@ -13,7 +13,7 @@ from flashcupy import build, configs, device
 from flashcupy.device import DeviceInfo
 from cli_helpers import FAKE_GPU, invoke, on_gpu
 
-ALL_KERNELS = 24 + 72  # per device: fwd (6 head dims x 2 dtypes x 2 causal), bwd (48 main + 24 helpers)
+ALL_KERNELS = 36 + 96  # per device: fwd (6 head dims x 2 dtypes x 3 masks), bwd (72 main + 24 helpers)
 
 
 @pytest.fixture
@@ -89,14 +89,14 @@ def test_variant_lists_follow_the_devices_opt_in():
     assert cli.bwd_variants(90, small) == configs.all_bwd_variants(86)
     assert cli.fwd_variants(90, small) != configs.all_fwd_variants(90)
     for v in cli.fwd_variants(90, small):
-        assert v == configs.fwd_variant(v.head_dim, v.dtype, v.local, 90, small)
+        assert v == configs.fwd_variant(v.head_dim, v.dtype, v.mask, 90, small)
         assert v.smem_bytes <= small
 
 
 def test_variant_lists_filter():
-    fwd = cli.fwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), causals=(True,))
-    assert [str(v) for v in fwd] == ["fwd d=64 bfloat16 local=True tile=128x128 warps=4"]
-    bwd = cli.bwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), causals=(True,), deterministic=(False,))
+    fwd = cli.fwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), masks=("causal",))
+    assert [str(v) for v in fwd] == ["fwd d=64 bfloat16 mask=causal tile=128x128 warps=4"]
+    bwd = cli.bwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), masks=("causal",), deterministic=(False,))
     assert [v.name_expression.split("<")[0] for v in bwd] == [
         "flash_bwd_kernel", "flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel"]
 
@@ -122,7 +122,7 @@ def test_cache_dir_follows_cupy(monkeypatch, tmp_path):
 
 def test_record_and_cached(cache):
     assert build.cached_variants() == []  # no file yet
-    fwd, bwd = configs.fwd_variant(64, "bfloat16", True, 90), configs.bwd_variant(128, "float16", False, True, 80)
+    fwd, bwd = configs.fwd_variant(64, "bfloat16", "causal", 90), configs.bwd_variant(128, "float16", "none", True, 80)
     entry = build.record_compiled(fwd, "sm_90", seconds=1.23456)
     build.record_compiled(bwd, "sm_80")
     assert entry["name_expression"] == fwd.name_expression and entry["source"] == "fwd.cu"
@@ -152,13 +152,13 @@ def test_corrupt_index_is_empty_and_rewritten(cache, text):
     cache.mkdir()
     (cache / build.INDEX_NAME).write_text(text, errors="surrogateescape")
     assert build.read_index() == {} and build.cached_variants() == []
-    variant = configs.fwd_variant(32, "float16", False, 90)
+    variant = configs.fwd_variant(32, "float16", "none", 90)
     build.record_compiled(variant, "sm_90")
     assert [e["name_expression"] for e in build.cached_variants()] == [variant.name_expression]
 
 
 def test_malformed_entries_are_skipped(cache):
-    variant = configs.fwd_variant(32, "float16", False, 90)
+    variant = configs.fwd_variant(32, "float16", "none", 90)
     build.record_compiled(variant, "sm_90")
     path = cache / build.INDEX_NAME
     document = json.loads(path.read_text())
@@ -171,7 +171,7 @@ def test_malformed_entries_are_skipped(cache):
 
 
 def test_stale_source_hash_is_not_cached(cache, monkeypatch):
-    fwd, bwd = configs.fwd_variant(64, "bfloat16", False, 90), configs.bwd_variant(64, "bfloat16", False, False, 90)
+    fwd, bwd = configs.fwd_variant(64, "bfloat16", "none", 90), configs.bwd_variant(64, "bfloat16", "none", False, 90)
     build.record_compiled(fwd, "sm_90")
     build.record_compiled(bwd, "sm_90")
     load_source = build.load_source
@@ -186,7 +186,7 @@ def test_stale_source_hash_is_not_cached(cache, monkeypatch):
 def test_nothing_recorded_when_cupy_caches_in_memory(cache, monkeypatch):
     monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")
     assert not build.disk_cache_enabled()
-    assert build.record_compiled(configs.fwd_variant(64, "bfloat16", False, 90), "sm_90") is None
+    assert build.record_compiled(configs.fwd_variant(64, "bfloat16", "none", 90), "sm_90") is None
     assert not cache.exists()
     monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "0")
     assert build.disk_cache_enabled()
@@ -194,7 +194,7 @@ def test_nothing_recorded_when_cupy_caches_in_memory(cache, monkeypatch):
 
 def test_worker_pool_reports_each_variant(cache):
     """The real spawn pool with one worker: on the CPU the worker's error comes back as text."""
-    variant = configs.fwd_variant(64, "bfloat16", False, 90)
+    variant = configs.fwd_variant(64, "bfloat16", "none", 90)
     ((got, seconds, error),) = list(build.compile_in_processes([variant], jobs=4))
     assert got == variant
     if device.gpu_available():
@@ -227,10 +227,10 @@ class FakePool:
 
 
 @pytest.mark.parametrize("args, count", [
-    (["--head-dims", "64", "--dtype", "bf16", "--direction", "fwd"], 2),
-    (["--direction", "fwd"], 24),
+    (["--head-dims", "64", "--dtype", "bf16", "--direction", "fwd"], 3),
+    (["--direction", "fwd"], 36),
     ([], ALL_KERNELS),
-    (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 4 + 8),
+    (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 8 + 8),
     (["--dtype", "fp16", "--causal", "off", "--head-dims", "32"], 1 + 2 + 2),
 ])
 def test_compile_selects_variants(cache, fake_gpu, monkeypatch, args, count):
@@ -290,13 +290,13 @@ def test_info_counts_and_marks_cached_kernels(cache, fake_gpu):
     for v in (forward[2], forward[5], backward[0]):
         build.record_compiled(v, "sm_90")
     build.record_compiled(forward[7], "sm_80")  # another arch's binary does not count here
-    build.record_compiled(configs.fwd_variant(256, "bfloat16", False, 86), "sm_90")  # a tile this GPU never picks
+    build.record_compiled(configs.fwd_variant(256, "bfloat16", "none", 86), "sm_90")  # a tile this GPU never picks
     result = invoke("info")
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert f"kernel cache:         {cache} (" in out
     assert (f"compiled on disk:     3 of {ALL_KERNELS} flashcupy kernels this GPU can use "
-            "(fwd 2 of 24, bwd 1 of 72)") in out
+            "(fwd 2 of 36, bwd 1 of 96)") in out
     assert "`flashcupy compile` builds the rest" in out
     marked = [line.strip() for line in out.splitlines() if line.endswith("[on disk]")]
     assert marked == [f"{forward[2]}  [on disk]", f"{forward[5]}  [on disk]"]
@@ -315,8 +315,8 @@ def test_info_with_everything_cached(cache, fake_gpu):
 
 
 def test_check_and_bench_record_what_the_process_compiled(cache, fake_gpu, monkeypatch):
-    forward = configs.fwd_variant(64, "bfloat16", False, 90, FAKE_GPU.smem_per_block_optin)
-    other_device = configs.fwd_variant(128, "bfloat16", False, 90)
+    forward = configs.fwd_variant(64, "bfloat16", "none", 90, FAKE_GPU.smem_per_block_optin)
+    other_device = configs.fwd_variant(128, "bfloat16", "none", 90)
     monkeypatch.setattr(build, "compiled_variants", lambda: [(0, forward), (1, other_device)])
     cli._record_process_kernels(FAKE_GPU)
     assert [e["name_expression"] for e in build.cached_variants("sm_90")] == [forward.name_expression]

@@ -11,7 +11,7 @@ CAPABILITIES = [80, 86, 89, 90]
 def test_every_variant_fits_shared_memory(capability):
     limit = configs.smem_limit(capability)
     variants = configs.all_fwd_variants(capability)
-    assert len(variants) == len(configs.SUPPORTED_HEAD_DIMS) * 2 * 2
+    assert len(variants) == len(configs.SUPPORTED_HEAD_DIMS) * 2 * len(configs.MASKS)
     for v in variants:
         assert v.smem_bytes <= limit, f"{v} needs {v.smem_bytes} B of shared memory, {limit} available"
         t = v.tile
@@ -32,7 +32,7 @@ def test_every_backward_variant_fits(capability):
 
 
 def test_backward_plans_cover_rows_and_keys():
-    v = configs.bwd_variant(128, "bfloat16", True, True, 90)
+    v = configs.bwd_variant(128, "bfloat16", "causal", True, 90)
     plans = launch.plan_backward(v, batch=3, nheads=5, seqlen_q=1000, seqlen_k=777)
     num_n = -(-777 // v.tile.block_n)
     assert plans.main.grid == (num_n * 5 * 3, 1, 1) and plans.main.smem_bytes == v.smem_bytes
@@ -46,10 +46,10 @@ def test_backward_plans_cover_rows_and_keys():
 
 
 def test_backward_name_expression():
-    v = configs.bwd_variant(64, "float16", False, True, 90)
+    v = configs.bwd_variant(64, "float16", "none", True, 90)
     t = v.tile
     assert v.name_expression == (f"flash_bwd_kernel<64, {t.block_m}, {t.block_n}, {t.num_warps}, {t.stages}, "
-                                 "false, false, true>")
+                                 "false, false, false, true>")
 
 
 def test_smem_limit_falls_back_to_smaller_tile():
@@ -66,9 +66,13 @@ def test_unsupported_capability_and_head_dim():
 
 
 def test_name_expression_carries_template_arguments():
-    v = configs.fwd_variant(128, "bfloat16", True, 90)
+    v = configs.fwd_variant(128, "bfloat16", "causal", 90)
     t = v.tile
-    assert v.name_expression == f"flash_fwd_kernel<128, {t.block_m}, {t.block_n}, {t.num_warps}, true, true>"
+    assert v.name_expression == f"flash_fwd_kernel<128, {t.block_m}, {t.block_n}, {t.num_warps}, true, false, true>"
+    local = configs.fwd_variant(128, "float16", "local", 90)
+    assert local.name_expression.endswith("false, true, false>")
+    with pytest.raises(ValueError, match="mask must be one of"):
+        configs.fwd_variant(128, "float16", True, 90)
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)
@@ -81,7 +85,8 @@ def test_planner_covers_every_query_row_once(capability, seqlen_q):
         num_m = -(-seqlen_q // v.tile.block_m)
         covered = []
         for x in range(plan.grid[0]):
-            m, h, b = launch.block_coords(x, plan.grid[0], num_m, nheads, v.local, v.local)
+            masked = v.mask != "none"
+            m, h, b = launch.block_coords(x, plan.grid[0], num_m, nheads, masked, masked)
             assert 0 <= m < num_m and 0 <= h < nheads and 0 <= b < batch
             row0 = m * v.tile.block_m
             covered += [(b, h, r) for r in range(row0, min(row0 + v.tile.block_m, seqlen_q))]
@@ -89,7 +94,7 @@ def test_planner_covers_every_query_row_once(capability, seqlen_q):
 
 
 def test_causal_launch_order_is_heaviest_first():
-    v = configs.fwd_variant(64, "float16", True, 90)
+    v = configs.fwd_variant(64, "float16", "causal", 90)
     plan = launch.plan_forward(v, batch=2, nheads=3, seqlen_q=1000)
     num_m = -(-1000 // v.tile.block_m)
     order = [launch.block_coords(x, plan.grid[0], num_m, 3, True, True)[0] for x in range(plan.grid[0])]
@@ -97,19 +102,20 @@ def test_causal_launch_order_is_heaviest_first():
 
 
 def test_planner_rejects_grid_overflow():
-    v = configs.fwd_variant(64, "float16", False, 90)
+    v = configs.fwd_variant(64, "float16", "none", 90)
     with pytest.raises(ValueError, match="grid limit"):
         launch.plan_forward(v, batch=65536, nheads=1024, seqlen_q=65536)
 
 
 def test_band_parameters():
-    plain = launch.plan_band(False, (-1, -1), "bottom_right", 100, 300)
-    assert not plain.local
-    causal = launch.plan_band(True, (-1, -1), "bottom_right", 100, 300)
-    assert causal.local and causal.offset == 200 and causal.right == 0 and causal.left == 400 + 256
-    top_left = launch.plan_band(True, (16, -1), "top_left", 100, 300)
-    assert top_left.offset == 0 and top_left.left == 16 and top_left.right == 0
-    window = launch.plan_band(False, (-1, 8), "bottom_right", 300, 100)
-    assert window.local and window.offset == -200 and window.right == 8 and window.left == 400 + 256
+    assert launch.plan_band(False, (-1, -1), "bottom_right", 100, 300).mask == "none"
+    assert launch.plan_band(False, (-1, -1), "top_left", 100, 300).mask == "none"
+    assert launch.plan_band(True, (-1, -1), "bottom_right", 100, 300).mask == "causal"
+    top_left = launch.plan_band(True, (-1, -1), "top_left", 100, 300)
+    assert (top_left.mask, top_left.offset, top_left.right, top_left.left) == ("local", 0, 0, 400 + 256)
+    windowed = launch.plan_band(True, (16, -1), "bottom_right", 100, 300)
+    assert (windowed.mask, windowed.offset, windowed.left, windowed.right) == ("local", 200, 16, 0)
+    right_only = launch.plan_band(False, (-1, 8), "bottom_right", 300, 100)
+    assert (right_only.mask, right_only.offset, right_only.right, right_only.left) == ("local", -200, 8, 400 + 256)
     with pytest.raises(ValueError, match="too large"):
         launch.plan_band(False, (1, 1), "bottom_right", 2**29, 2**29)
