@@ -40,7 +40,7 @@ def test_variant_compiles(variant, arch):
 
 
 def test_compile_error_names_variant_and_shows_log(monkeypatch):
-    bad = configs.FwdVariant(48, configs.FwdTile(64, 64, 4), False, "float16")  # violates static_assert
+    bad = configs.FwdVariant(48, configs.FwdTile(64, 64, 4), "none", "float16")  # violates static_assert
     with pytest.raises(build.KernelCompileError) as info:
         build.compile_cubin(bad, "sm_80")
     msg = str(info.value)
