@@ -162,21 +162,13 @@ def test_bad_shapes_rejected():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize(
-    "batch,seqlen_q,seqlen_k,nheads,nheads_k",
-    [(1, 4, 4, 2, 2), (2, 3, 5, 2, 1), (1, 5, 3, 2, 1), (2, 5, 4, 2, 2)],
-)
-def test_bwd_ref_finite_differences(causal, batch, seqlen_q, seqlen_k, nheads, nheads_k):
-    rng = np.random.default_rng([7, seqlen_q, seqlen_k, nheads_k])
-    q, k, v = _qkv(rng, batch, seqlen_q, seqlen_k, nheads, nheads_k, 4)
-    dout = rng.standard_normal(q.shape)
-    scale = 0.8
+def _check_against_finite_differences(dout, q, k, v, kw):
+    """attention_bwd_ref's gradients of sum(out * dout) against central differences of attention_ref."""
 
     def f(q, k, v):
-        return np.sum(attention_ref(q, k, v, softmax_scale=scale, causal=causal)[0] * dout)
+        return np.sum(attention_ref(q, k, v, **kw)[0] * dout)
 
-    grads = attention_bwd_ref(dout, q, k, v, softmax_scale=scale, causal=causal)
+    grads = attention_bwd_ref(dout, q, k, v, **kw)
     eps = 1e-5
     for which, grad in enumerate(grads):
         args = [q.copy(), k.copy(), v.copy()]
@@ -190,8 +182,24 @@ def test_bwd_ref_finite_differences(causal, batch, seqlen_q, seqlen_k, nheads, n
             down = f(*args)
             x[idx] = orig
             numeric[idx] = (up - down) / (2 * eps)
-        err = np.max(np.abs(grad - numeric)) / np.max(np.abs(numeric))
+        # Relative to the gradient's size, absolute where it is 0 (a row seeing one key only
+        # gives no dq, dk).
+        err = np.max(np.abs(grad - numeric)) / max(np.max(np.abs(numeric)), 1e-2)
         assert err < 1e-6, ("dq", "dk", "dv")[which]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "batch,seqlen_q,seqlen_k,nheads,nheads_k",
+    [(1, 4, 4, 2, 2), (2, 3, 5, 2, 1), (1, 5, 3, 2, 1), (2, 5, 4, 2, 2)],
+)
+def test_bwd_ref_finite_differences(causal, batch, seqlen_q, seqlen_k, nheads, nheads_k):
+    rng = np.random.default_rng([7, seqlen_q, seqlen_k, nheads_k])
+    q, k, v = _qkv(rng, batch, seqlen_q, seqlen_k, nheads, nheads_k, 4)
+    dout = rng.standard_normal(q.shape)
+    scale = 0.8
+
+    _check_against_finite_differences(dout, q, k, v, dict(softmax_scale=scale, causal=causal))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -642,27 +650,7 @@ def test_bwd_ref_band_finite_differences(seqlen_q, seqlen_k, causal, window, ali
     dout = rng.standard_normal(q.shape)
     kw = dict(softmax_scale=0.8, causal=causal, window_size=window, alignment=alignment)
 
-    def f(q, k, v):
-        return np.sum(attention_ref(q, k, v, **kw)[0] * dout)
-
-    grads = attention_bwd_ref(dout, q, k, v, **kw)
-    eps = 1e-5
-    for which, grad in enumerate(grads):
-        args = [q.copy(), k.copy(), v.copy()]
-        x = args[which]
-        numeric = np.zeros(x.shape)
-        for idx in np.ndindex(x.shape):
-            orig = x[idx]
-            x[idx] = orig + eps
-            up = f(*args)
-            x[idx] = orig - eps
-            down = f(*args)
-            x[idx] = orig
-            numeric[idx] = (up - down) / (2 * eps)
-        # Relative to the gradient's size, absolute where it is 0 (a row seeing one key only
-        # gives no dq, dk).
-        err = np.max(np.abs(grad - numeric)) / max(np.max(np.abs(numeric)), 1e-2)
-        assert err < 1e-6, ("dq", "dk", "dv")[which]
+    _check_against_finite_differences(dout, q, k, v, kw)
 
 
 def test_window_changes_the_result():
