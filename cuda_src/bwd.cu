@@ -382,13 +382,13 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
             }
         }
         int* sem = dq_semaphore + (i64(batch) * nheads + head) * num_m_blocks + m_block;
+        // Deterministic: add in key-block order. The key blocks that reach q block i are a
+        // contiguous range, from 0 or (Is_local) from the one holding key row0 + offset - left;
+        // the semaphore counts the ones that have added, so block j waits for j - n_first.
+        const int n_rank = n_block - (Is_local ? max(0, row0 + band_offset - window_left) / kBlockN : 0);
         if (Is_deterministic) {
-            // Add in key-block order: the key blocks that reach q block i are a contiguous range,
-            // from 0 or (Is_local) from the one holding key row0 + offset - left; block j waits for
-            // those before it.
-            const int n_first = Is_local ? max(0, row0 + band_offset - window_left) / kBlockN : 0;
             if (tid == 0)
-                while (ld_acquire(sem) != n_block - n_first) asm volatile("nanosleep.u32 64;\n");
+                while (ld_acquire(sem) != n_rank) asm volatile("nanosleep.u32 64;\n");
             __syncthreads();
         }
         // Through shared memory, so that the lanes of a warp add one contiguous row segment: four
@@ -416,7 +416,7 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
         if (Is_deterministic) {
             __threadfence();
             __syncthreads();
-            if (tid == 0) st_release(sem, n_block + 1);
+            if (tid == 0) st_release(sem, n_rank + 1);
         }
         if (kStages == 1 && has_next) {  // single buffer: refill once its dQ staging has been read
             __syncthreads();

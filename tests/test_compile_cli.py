@@ -332,9 +332,10 @@ def test_compile_then_info_gpu(cache):
     args = ("compile", "--head-dims", "64", "--dtype", "bf16", "--direction", "fwd", "--jobs", "2")
     result = invoke(*args)
     assert result.exit_code == 0, result.output
-    assert "2 of 2 kernels" in result.stdout and "FAIL" not in result.stdout
+    n = len(configs.MASKS)  # one forward kernel per mask mode
+    assert f"{n} of {n} kernels" in result.stdout and "FAIL" not in result.stdout
     cubins = sorted(cache.glob("*.cubin"))
-    assert len(cubins) >= 2  # CuPy's own cache files, written by the workers
+    assert len(cubins) >= n  # CuPy's own cache files, written by the workers
 
     info = device.device_info()
     expected = cli.fwd_variants(info.capability, info.smem_per_block_optin, head_dims=(64,), dtypes=("bfloat16",))
@@ -343,11 +344,11 @@ def test_compile_then_info_gpu(cache):
 
     result = invoke("info")
     assert result.exit_code == 0, result.output
-    assert "compiled on disk:     2 of" in result.stdout
+    assert f"compiled on disk:     {n} of" in result.stdout
     for variant in expected:
         assert f"  {variant}  [on disk]" in result.stdout
 
     again = invoke(*args)  # served from the disk cache: no new cubin
     assert again.exit_code == 0, again.output
-    assert "2 already compiled on disk" in again.stdout
+    assert f"{n} already compiled on disk" in again.stdout
     assert sorted(cache.glob("*.cubin")) == cubins

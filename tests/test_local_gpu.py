@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import REL_TOL, poison_pool, randn, rel_err, requires_gpu, to_host64
+from gpu_helpers import REL_TOL, grad_rel_err, poison_pool, randn, rel_err, requires_gpu, to_host64
 
 pytestmark = requires_gpu
 
@@ -56,7 +56,8 @@ def test_forward_and_backward(dtype_name, head_dim, seqlen_q, seqlen_k, causal, 
         for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
             gh = to_host64(g)
             assert not np.isnan(gh).any(), name
-            assert rel_err(gh, r) < GRAD_TOL[dtype_name], (name, deterministic, rel_err(gh, r))
+            err = grad_rel_err(gh, r, refs[2])
+            assert err < GRAD_TOL[dtype_name], (name, deterministic, err)
 
 
 def test_window_changes_the_result_and_validation():
