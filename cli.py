@@ -185,7 +185,11 @@ def main():
 @click.option("--head-dims", multiple=True, default=("64,128",), show_default=True, callback=_parse_head_dims,
               help="Head dims, comma list; nheads = hidden // head dim.")
 @click.option("--causal", type=click.Choice(sorted(_OFF_ON)), default="both", show_default=True,
-              help="Causal mask off, on, or both.")
+              help="Causal mask off, on, or both (of the plain variant).")
+@click.option("--variants", multiple=True, default=(",".join(bench.VARIANTS),), show_default=True,
+              callback=_choices(bench.VARIANTS),
+              help=f"plain (the --causal cases), gqa (causal, nheads / {bench.GQA_GROUP} kv heads), window "
+                   f"(causal sliding window of {bench.DEFAULT_WINDOW} keys); comma list.")
 @click.option("--dtype", "dtypes", multiple=True, default=("bf16",), show_default=True,
               callback=_choices(tuple(bench.DTYPES)), help="bf16 and/or fp16; repeat or comma list.")
 @click.option("--mode", "modes", multiple=True, default=(",".join(bench.DEFAULT_MODES),), show_default=True,
@@ -205,13 +209,16 @@ def main():
               help="Draw TFLOP/s vs seqlen to this image (e.g. bench.png); needs matplotlib.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no table (use with --json).")
 @click.pass_context
-def bench_command(ctx, seqlens, head_dims, causal, dtypes, modes, total_tokens, hidden, peers, repeats,
+def bench_command(ctx, seqlens, head_dims, causal, variants, dtypes, modes, total_tokens, hidden, peers, repeats,
                   warmup, json_path, plot_path, quiet):
     """Time flashcupy against its peers over the FA2 paper's sweep."""
     for d in head_dims:
         if hidden % d:
             raise click.BadParameter(f"{hidden} is not a multiple of head dim {d}; e.g. --hidden 2048",
                                      ctx=ctx, param_hint="'--hidden'")
+        if "gqa" in variants and (hidden // d) % bench.GQA_GROUP:
+            raise click.BadParameter(f"the gqa variant needs hidden / head dim {d} = {hidden // d} heads to be a "
+                                     f"multiple of {bench.GQA_GROUP}", ctx=ctx, param_hint="'--hidden'")
     info = _require_gpu(ctx)
     if plot_path:  # fail now rather than after the sweep
         try:
@@ -227,7 +234,7 @@ def bench_command(ctx, seqlens, head_dims, causal, dtypes, modes, total_tokens, 
             peers = tuple(p for p in peers if p not in bench.TORCH_PEERS)
     impls = ("flashcupy",) + peers
 
-    shapes = bench.sweep_shapes(seqlens, head_dims, _OFF_ON[causal], dtypes, modes, total_tokens, hidden)
+    shapes = bench.sweep_shapes(seqlens, head_dims, _OFF_ON[causal], dtypes, modes, total_tokens, hidden, variants)
     metadata = bench.collect_metadata()
     if not quiet:
         click.echo(f"{metadata['device']} (sm {metadata['compute_capability']}), CUDA driver "
@@ -244,6 +251,7 @@ def bench_command(ctx, seqlens, head_dims, causal, dtypes, modes, total_tokens, 
     _record_process_kernels(info)
 
     config = {"seqlens": list(seqlens), "head_dims": list(head_dims), "causal": list(_OFF_ON[causal]),
+              "variants": list(variants), "window": bench.DEFAULT_WINDOW, "gqa_group": bench.GQA_GROUP,
               "dtypes": list(dtypes), "modes": list(modes), "total_tokens": total_tokens, "hidden": hidden,
               "impls": list(impls), "repeats": repeats, "warmup": warmup}
     document = bench.results_document(records, metadata, config)

@@ -43,6 +43,11 @@ DEFAULT_TOTAL_TOKENS = 16384
 DEFAULT_HIDDEN = 2048
 DEFAULT_REPEATS = 20
 DEFAULT_WARMUP = 3
+# Variants of the causal case in the default sweep (issue 5): GQA with 4 query heads per kv head
+# (d=64: 32 query heads, 8 kv heads) and a Mistral-style sliding window, causal with 1024 keys back.
+VARIANTS = ("plain", "gqa", "window")
+GQA_GROUP = 4
+DEFAULT_WINDOW = 1024
 
 FIELDS = {
     "mode": "fwd, bwd (backward alone, from a stored forward) or fwdbwd (both, timed together)",
@@ -52,11 +57,15 @@ FIELDS = {
     "nheads": "hidden // head_dim",
     "head_dim": "head dimension",
     "causal": "bottom-right aligned causal mask",
+    "nheads_k": "kv heads (GQA when fewer than nheads)",
+    "window": "sliding window: causal with window_size=(window, 0), each query sees itself and `window` "
+              "keys back; null for none",
     "impl": "implementation: " + ", ".join(IMPLS),
     "status": "ok, OOM (out of device memory), err (failed, see note) or n/a (cannot run this case, see note)",
     "ms": "median of `repeats` CUDA-event timings on the current stream, after the first call and "
           "`warmup` more untimed calls",
-    "tflops": "attention_flops(...) / ms, the FA2 paper's count (causal halves it; bwd 2.5x, fwdbwd 3.5x fwd)",
+    "tflops": "attention_flops(...) / ms, the FA2 paper's count (causal halves it; bwd 2.5x, fwdbwd 3.5x fwd); "
+              "with a window, 4 * headdim FLOPs per visible (query, key) pair instead",
     "ratio": "flashcupy TFLOP/s / this implementation's TFLOP/s (> 1: flashcupy is faster)",
     "first_call_ms": "wall time of the first call of this implementation for this shape, synchronized; "
                      "for flashcupy it holds NVRTC compile or cache load when the variant is new to the process",
@@ -78,7 +87,8 @@ class MissingDependencyError(RuntimeError):
 
 @dataclass(frozen=True)
 class BenchShape:
-    """One case of the sweep: q, k, v are (batch, seqlen, nheads, head_dim)."""
+    """One case of the sweep: q is (batch, seqlen, nheads, head_dim), k and v (batch, seqlen,
+    nheads_k, head_dim)."""
 
     batch: int
     seqlen: int
@@ -87,10 +97,28 @@ class BenchShape:
     causal: bool
     dtype: str  # key of DTYPES
     mode: str  # one of MODES
+    nheads_k: int = 0  # 0: nheads (no GQA)
+    window: int | None = None  # causal sliding window: window_size=(window, 0)
+
+    def __post_init__(self):
+        if not self.nheads_k:
+            object.__setattr__(self, "nheads_k", self.nheads)
+        if self.window is not None and not self.causal:
+            raise ValueError("a bench window is the causal sliding window; set causal")
+
+    @property
+    def variant(self) -> str:
+        if self.window is not None:
+            return "window"
+        return "gqa" if self.nheads_k != self.nheads else "plain"
+
+    def describe(self) -> str:
+        """The mask and heads of this case: 'causal on', 'causal on, GQA 32/8', 'window 1024'."""
+        text = f"window {self.window}" if self.window is not None else f"causal {'on' if self.causal else 'off'}"
+        return text + (f", GQA {self.nheads}/{self.nheads_k}" if self.nheads_k != self.nheads else "")
 
     def __str__(self) -> str:
-        return (f"{self.mode} {self.dtype} d={self.head_dim} causal={'on' if self.causal else 'off'} "
-                f"seqlen={format_seqlen(self.seqlen)}")
+        return f"{self.mode} {self.dtype} d={self.head_dim} {self.describe()} seqlen={format_seqlen(self.seqlen)}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,8 +146,12 @@ def format_seqlen(n: int) -> str:
 
 def sweep_shapes(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causal=(False, True),
                  dtypes=("bf16",), modes=("fwd",), total_tokens=DEFAULT_TOTAL_TOKENS,
-                 hidden=DEFAULT_HIDDEN) -> list[BenchShape]:
-    """The cases of a sweep: batch = total_tokens // seqlen, nheads = hidden // head_dim."""
+                 hidden=DEFAULT_HIDDEN, variants=("plain",)) -> list[BenchShape]:
+    """The cases of a sweep: batch = total_tokens // seqlen, nheads = hidden // head_dim.
+
+    "plain" gives the causal settings asked for; "gqa" and "window" each add causal cases, with
+    nheads // GQA_GROUP kv heads or a DEFAULT_WINDOW sliding window.
+    """
     for d in head_dims:
         if hidden % d:
             raise ValueError(f"hidden size {hidden} is not a multiple of head dim {d}")
@@ -129,8 +161,18 @@ def sweep_shapes(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causal=(F
     for m in modes:
         if m not in MODES:
             raise ValueError(f"mode {m!r} is not one of {', '.join(MODES)}")
-    return [BenchShape(max(1, total_tokens // s), s, hidden // d, d, bool(c), dt, m)
-            for m in modes for dt in dtypes for d in head_dims for c in causal for s in seqlens]
+    for name in variants:
+        if name not in VARIANTS:
+            raise ValueError(f"variant {name!r} is not one of {', '.join(VARIANTS)}")
+    for d in head_dims:
+        if "gqa" in variants and (hidden // d) % GQA_GROUP:
+            raise ValueError(f"GQA needs nheads = {hidden // d} (hidden {hidden} / head dim {d}) to be a "
+                             f"multiple of {GQA_GROUP}")
+    cases = [(bool(c), 1, None) for c in causal] if "plain" in variants else []  # (causal, group, window)
+    cases += [(True, GQA_GROUP, None)] if "gqa" in variants else []
+    cases += [(True, 1, DEFAULT_WINDOW)] if "window" in variants else []
+    return [BenchShape(max(1, total_tokens // s), s, hidden // d, d, c, dt, m, hidden // d // group, window)
+            for m in modes for dt in dtypes for d in head_dims for c, group, window in cases for s in seqlens]
 
 
 def run_sweep(shapes, impls=("flashcupy",) + DEFAULT_PEERS, repeats=DEFAULT_REPEATS,
@@ -177,14 +219,14 @@ def make_inputs(shape: BenchShape, seed: int = 0):
     import cupy
 
     rng = cupy.random.default_rng(seed)
-    dims = (shape.batch, shape.seqlen, shape.nheads, shape.head_dim)
     dtype = numpy_dtype(shape.dtype)
 
-    def normal():
+    def normal(nheads):
+        dims = (shape.batch, shape.seqlen, nheads, shape.head_dim)
         return rng.standard_normal(dims, dtype=cupy.float32).astype(dtype)
 
-    q, k, v = normal(), normal(), normal()
-    return q, k, v, (normal() if shape.mode != "fwd" else None)
+    q, k, v = normal(shape.nheads), normal(shape.nheads_k), normal(shape.nheads_k)
+    return q, k, v, (normal(shape.nheads) if shape.mode != "fwd" else None)
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -237,8 +279,13 @@ def _failed_record(shape, impl, exc, prefix="", suffix="") -> dict:
 def _flops(shape: BenchShape) -> float:
     from .reference import attention_flops
 
-    return attention_flops(shape.batch, shape.seqlen, shape.seqlen, shape.nheads, shape.head_dim,
-                           shape.causal, mode=shape.mode)
+    flops = attention_flops(shape.batch, shape.seqlen, shape.seqlen, shape.nheads, shape.head_dim,
+                            shape.causal, mode=shape.mode)
+    if shape.window is not None:  # the band's pairs: query i sees min(i, window) + 1 keys
+        rows = np.arange(shape.seqlen, dtype=np.int64)
+        pairs = int(np.minimum(rows, shape.window).sum()) + shape.seqlen
+        flops *= pairs / (shape.seqlen * shape.seqlen / 2)
+    return flops
 
 
 def _one_line(text: str, limit: int = 200) -> str:
@@ -381,22 +428,24 @@ def _flashcupy_step(shape, inputs):
     import flashcupy
 
     q, k, v, dout = inputs
-    causal = shape.causal
+    mask = dict(causal=shape.causal, window_size=(-1, -1) if shape.window is None else (shape.window, 0))
     if shape.mode == "fwd":
-        return lambda: flashcupy.flash_attn_func(q, k, v, causal=causal)
+        return lambda: flashcupy.flash_attn_func(q, k, v, **mask)
     if shape.mode == "bwd":
         # the forward runs once, here, untimed: each step is the backward alone
-        out, lse = flashcupy.flash_attn_func(q, k, v, causal=causal, return_lse=True)
-        return lambda: flashcupy.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
+        out, lse = flashcupy.flash_attn_func(q, k, v, return_lse=True, **mask)
+        return lambda: flashcupy.flash_attn_backward(dout, q, k, v, out, lse, **mask)
 
     def forward_backward():
-        out, lse = flashcupy.flash_attn_func(q, k, v, causal=causal, return_lse=True)
-        return flashcupy.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
+        out, lse = flashcupy.flash_attn_func(q, k, v, return_lse=True, **mask)
+        return flashcupy.flash_attn_backward(dout, q, k, v, out, lse, **mask)
 
     return forward_backward
 
 
 def _naive_step(shape, inputs):
+    if shape.variant != "plain":
+        raise NotApplicable("naive runs plain multi-head attention only")
     if shape.mode != "fwd":
         raise NotApplicable("naive has no backward")
     q, k, v, _ = inputs
@@ -438,14 +487,17 @@ def _sdpa_step(impl, shape, inputs):
     backend = getattr(SDPBackend, _SDPA_BACKENDS[impl], None)
     if backend is None:
         raise NotApplicable(f"torch {torch.__version__} has no SDPBackend.{_SDPA_BACKENDS[impl]}")
+    if shape.window is not None:
+        raise NotApplicable("SDPA has no sliding window (only a dense attn_mask, which the flash backend rejects)")
     q, k, v, dout = (None if a is None else torch.from_dlpack(a) for a in inputs)
     causal = shape.causal
+    gqa = {"enable_gqa": True} if shape.nheads_k != shape.nheads else {}
 
     def attend(q, k, v):
         # (b, s, h, d) -> (b, h, s, d) views: SDPA takes the strides as they are, no copy
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=causal)
+                                                  is_causal=causal, **gqa)
 
     if shape.mode == "fwd":
         def forward():
@@ -574,25 +626,32 @@ def format_bytes(n) -> str:
     return f"{n} B"
 
 
+def _describe(r: dict) -> str:
+    """BenchShape.describe() of a record (records of older JSON files have no nheads_k or window)."""
+    return BenchShape(1, 1, r["nheads"], r["head_dim"], r["causal"], r["dtype"], r["mode"], r.get("nheads_k") or 0,
+                      r.get("window")).describe()
+
+
 def _section_key(r: dict) -> tuple:
-    return r["mode"], r["dtype"], r["head_dim"], r["nheads"], r["causal"]
+    return r["mode"], r["dtype"], r["head_dim"], r["nheads"], _describe(r)
 
 
 def format_table(records: list[dict]) -> str:
-    """One block per (mode, dtype, head dim, causal); a row per seqlen and implementation.
+    """One block per (mode, dtype, head dim, mask and heads); a row per seqlen and implementation.
 
-    Cells of cases that did not run show their status; err and n/a notes follow as footnotes.
+    Cells of cases that did not run show their status; err and n/a notes follow as footnotes, one
+    per distinct (implementation, note).
     """
     sections: dict[tuple, list[dict]] = {}
     for r in records:
         sections.setdefault(_section_key(r), []).append(r)
     header = (f"{'seqlen':>7} {'batch':>5}  {'impl':<18} {'ms':>9} {'TFLOP/s':>8} {'fc/peer':>8} "
               f"{'1st call ms':>11} {'extra mem':>10}")
-    lines, notes = [], []
-    for (mode, dtype, head_dim, nheads, causal), rows in sections.items():
+    lines, notes = [], {}  # footnote text -> number
+    for (mode, dtype, head_dim, nheads, described), rows in sections.items():
         if lines:
             lines.append("")
-        lines.append(f"{mode} {dtype}  head dim {head_dim} ({nheads} heads)  causal {'on' if causal else 'off'}")
+        lines.append(f"{mode} {dtype}  head dim {head_dim} ({nheads} heads)  {described}")
         lines.append(header)
         last_seqlen = None
         for r in rows:
@@ -602,9 +661,8 @@ def format_table(records: list[dict]) -> str:
             if r["status"] != "ok":
                 cell = r["status"]
                 if r.get("note"):
-                    notes.append(f"[{len(notes) + 1}] {r['impl']}, {mode} {dtype} d={head_dim} "
-                                 f"seqlen={format_seqlen(r['seqlen'])}: {r['note']}")
-                    cell += f"[{len(notes)}]"
+                    number = notes.setdefault(f"{r['impl']}: {r['note']}", len(notes) + 1)
+                    cell += f"[{number}]"
                 lines.append(f"{lead}  {r['impl']:<18} {cell:>9}")
                 continue
             ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else ""
@@ -614,7 +672,7 @@ def format_table(records: list[dict]) -> str:
     if lines:
         lines += ["", "fc/peer: flashcupy TFLOP/s over the peer's; 1st call ms: wall time of the first call "
                       "(compile or cache load); extra mem: device memory beyond the inputs, outputs included"]
-    lines += notes
+    lines += [f"[{number}] {text}" for text, number in notes.items()]
     return "\n".join(lines)
 
 
@@ -639,7 +697,7 @@ def plot_results(results, path) -> None:
     metadata = results.get("metadata", {}) if isinstance(results, dict) else {}
     records = results["results"] if isinstance(results, dict) else results
     rows = list(dict.fromkeys((r["mode"], r["dtype"]) for r in records))
-    cols = list(dict.fromkeys((r["head_dim"], r["causal"]) for r in records))
+    cols = list(dict.fromkeys((r["head_dim"], _describe(r)) for r in records))
     impls = [i for i in IMPLS if any(r["impl"] == i for r in records)]
     impls += sorted({r["impl"] for r in records} - set(impls))
     colors = {impl: f"C{n}" for n, impl in enumerate(impls)}
@@ -648,10 +706,10 @@ def plot_results(results, path) -> None:
     FigureCanvasAgg(fig)
     axes = fig.subplots(max(len(rows), 1), max(len(cols), 1), squeeze=False)
     for i, (mode, dtype) in enumerate(rows):
-        for j, (head_dim, causal) in enumerate(cols):
+        for j, (head_dim, described) in enumerate(cols):
             ax = axes[i][j]
-            panel = [r for r in records if (r["mode"], r["dtype"], r["head_dim"], r["causal"])
-                     == (mode, dtype, head_dim, causal)]
+            panel = [r for r in records if (r["mode"], r["dtype"], r["head_dim"], _describe(r))
+                     == (mode, dtype, head_dim, described)]
             seqlens = sorted({r["seqlen"] for r in panel})
             for impl in impls:
                 points = sorted((r["seqlen"], r["tflops"]) for r in panel
@@ -666,8 +724,7 @@ def plot_results(results, path) -> None:
             ax.xaxis.set_minor_locator(NullLocator())
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
-            ax.set_title(f"{mode} {dtype}, head dim {head_dim}, {'causal' if causal else 'non-causal'}",
-                         fontsize=10)
+            ax.set_title(f"{mode} {dtype}, head dim {head_dim}, {described}", fontsize=10)
             ax.set_xlabel("sequence length")
             ax.set_ylabel("TFLOP/s")
     handles = {}

@@ -154,6 +154,25 @@ def test_sweep_shapes_follow_the_protocol():
         bench.sweep_shapes(head_dims=(96,), hidden=2000)
 
 
+def test_sweep_variants_gqa_and_window():
+    shapes = bench.sweep_shapes(seqlens=(4096,), head_dims=(64, 128), variants=bench.VARIANTS)
+    assert [(s.head_dim, s.describe()) for s in shapes] == [
+        (64, "causal off"), (64, "causal on"), (64, "causal on, GQA 32/8"), (64, "window 1024"),
+        (128, "causal off"), (128, "causal on"), (128, "causal on, GQA 16/4"), (128, "window 1024")]
+    assert [s.variant for s in shapes[:4]] == ["plain", "plain", "gqa", "window"]
+    plain, gqa, window = shapes[1:4]
+    assert bench._flops(gqa) == bench._flops(plain)
+    # window 1024 of 4096 keys: sum over rows of min(i, 1024) + 1 pairs, against the causal N^2 / 2
+    pairs = sum(min(i, 1024) + 1 for i in range(4096))
+    assert bench._flops(window) == pytest.approx(bench._flops(plain) * pairs / (4096 * 4096 / 2))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        bench.sweep_shapes(head_dims=(128,), hidden=128 * 6, variants=("gqa",))
+    with pytest.raises(ValueError, match="variant"):
+        bench.sweep_shapes(variants=("alibi",))
+    with pytest.raises(ValueError, match="causal"):
+        bench.BenchShape(1, 128, 2, 64, False, "bf16", "fwd", window=64)
+
+
 def test_failures_become_cells(monkeypatch):
     shape = bench.sweep_shapes(seqlens=(256,), head_dims=(64,), causal=(False,), total_tokens=256)[0]
 
@@ -177,32 +196,40 @@ class FakeFlashcupy:
 
     def __init__(self):
         self.calls = []
+        self.masks = set()
 
-    def flash_attn_func(self, q, k, v, causal=False, return_lse=False):
+    def flash_attn_func(self, q, k, v, causal=False, window_size=(-1, -1), return_lse=False):
         self.calls.append("fwd")
+        self.masks.add((causal, window_size))
         return ("out", "lse") if return_lse else "out"
 
-    def flash_attn_backward(self, dout, q, k, v, out, lse, causal=False):
+    def flash_attn_backward(self, dout, q, k, v, out, lse, causal=False, window_size=(-1, -1)):
         assert (out, lse) == ("out", "lse")
         self.calls.append("bwd")
+        self.masks.add((causal, window_size))
         return "dq", "dk", "dv"
 
 
+@pytest.mark.parametrize("variant, mask", [("plain", (True, (-1, -1))), ("window", (True, (1024, 0)))])
 @pytest.mark.parametrize("mode, at_setup, per_step", [("fwd", [], ["fwd"]), ("bwd", ["fwd"], ["bwd"]),
                                                       ("fwdbwd", [], ["fwd", "bwd"])])
-def test_flashcupy_step_times_what_the_mode_names(monkeypatch, mode, at_setup, per_step):
+def test_flashcupy_step_times_what_the_mode_names(monkeypatch, mode, at_setup, per_step, variant, mask):
     """bwd: the forward runs once while the step is built, and each timed step is the backward alone."""
     import flashcupy
 
     fake = FakeFlashcupy()
     monkeypatch.setattr(flashcupy, "flash_attn_func", fake.flash_attn_func)
     monkeypatch.setattr(flashcupy, "flash_attn_backward", fake.flash_attn_backward)
-    shape = bench.sweep_shapes(seqlens=(256,), head_dims=(64,), causal=(True,), modes=(mode,))[0]
+    shape = bench.sweep_shapes(seqlens=(256,), head_dims=(64,), causal=(True,), modes=(mode,), variants=(variant,))[0]
     step = bench._make_step("flashcupy", shape, ("q", "k", "v", "dout" if mode != "fwd" else None))
     assert fake.calls == at_setup
     step()
     step()
     assert fake.calls == at_setup + per_step * 2
+    assert fake.masks == {mask}
+    if variant != "plain":
+        with pytest.raises(bench.NotApplicable, match="plain"):
+            bench._make_step("naive", shape, (None,) * 4)
 
 
 def test_bench_default_modes(monkeypatch):
@@ -211,7 +238,8 @@ def test_bench_default_modes(monkeypatch):
     monkeypatch.setattr(bench, "collect_metadata", lambda: dict(FAKE_METADATA))
     seen = []
     monkeypatch.setattr(bench, "bench_shape", lambda shape, impls, repeats, warmup: seen.append(shape) or [])
-    result = invoke("bench", "--seqlens", "512", "--head-dims", "64", "--causal", "off", "--peers", "none", "--quiet")
+    result = invoke("bench", "--seqlens", "512", "--head-dims", "64", "--causal", "off", "--variants", "plain",
+                    "--peers", "none", "--quiet")
     assert result.exit_code == 0, result.output
     assert [s.mode for s in seen] == ["fwd", "bwd", "fwdbwd"]
 
@@ -257,7 +285,8 @@ def test_table():
     assert "causal on" in table
     assert "60.00x" in table and "3.0 MiB" in table
     assert "OOM" in table and "err[1]" in table
-    assert "[1] sdpa_cudnn, fwd bf16 d=64 seqlen=512: RuntimeError: no kernel" in table
+    assert "[1] sdpa_cudnn: RuntimeError: no kernel" in table
+    assert table.count("[1] ") == 1  # one footnote however many cells share it
 
 
 def test_git_commit_is_a_hash_or_none():
@@ -305,12 +334,15 @@ def test_bench_command_glue(monkeypatch, tmp_path):
     result = invoke(*args)
     assert result.exit_code == 0, result.output
     assert "torch peers skipped (sdpa_flash, sdpa_cudnn): torch is not importable" in result.stderr
-    assert len(seen) == 2 * 2 * 2 and seen[0][1:] == (("flashcupy", "naive"), 3, 1)
-    assert "fwd fp16  head dim 128 (16 heads)  causal on" in result.stdout
+    assert len(seen) == 2 * 2 * 2 * 3 and seen[0][1:] == (("flashcupy", "naive"), 3, 1)  # x plain, gqa, window
+    for section in ("causal on\n", "causal on, GQA 16/4\n", "window 1024\n"):
+        assert "fwd fp16  head dim 128 (16 heads)  " + section in result.stdout
     document = bench.load_json(json_path)
     assert document["config"]["seqlens"] == [1024, 2048] and document["config"]["causal"] == [True]
     assert document["config"]["impls"] == ["flashcupy", "naive"]
-    assert len(document["results"]) == 16
+    assert document["config"]["variants"] == list(bench.VARIANTS)
+    assert len(document["results"]) == 48
+    assert {(r["nheads_k"], r["window"]) for r in document["results"]} == {(16, None), (4, None), (16, 1024)}
 
     quiet = invoke("bench", "--seqlens", "512", "--peers", "none", "--quiet")
     assert quiet.exit_code == 0 and quiet.stdout == ""
