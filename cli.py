@@ -25,6 +25,7 @@ BWD_TOL = {"bfloat16": 5e-2, "float16": 1e-2}
 LSE_TOL = 2e-3
 CHECK_SEQLENS = ((257, 300), (300, 257), (512, 512))  # ragged both ways, then equal (q, k)
 CHECK_BATCH, CHECK_NHEADS = 2, 3
+CHECK_SOFTCAP = 8.0  # score-mod kernels: softcap and ALiBi slopes, where they change the result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,21 +136,22 @@ _MASK_CASES = {"none": {}, "causal": {"causal": True},
 
 
 def fwd_variants(capability, smem_optin=None, head_dims=configs.SUPPORTED_HEAD_DIMS,
-                 dtypes=configs.DTYPE_NAMES, masks=configs.MASKS) -> list:
+                 dtypes=configs.DTYPE_NAMES, masks=configs.MASKS, score_mods=(False, True)) -> list:
     """Forward variants the dispatcher picks, in configs.all_fwd_variants' order.
 
     With the device's opt-in shared memory the tiles are the ones flash_attn_func takes there;
     without it, those of the capability's nominal limit (what all_fwd_variants gives).
     """
-    return [configs.fwd_variant(d, dt, m, capability, smem_optin)
-            for d in head_dims for dt in dtypes for m in masks]
+    return [configs.fwd_variant(d, dt, m, capability, smem_optin, mod)
+            for d in head_dims for dt in dtypes for m in masks for mod in score_mods]
 
 
 def bwd_variants(capability, smem_optin=None, head_dims=configs.SUPPORTED_HEAD_DIMS,
-                 dtypes=configs.DTYPE_NAMES, masks=configs.MASKS, deterministic=(False, True)) -> list:
+                 dtypes=configs.DTYPE_NAMES, masks=configs.MASKS, deterministic=(False, True),
+                 score_mods=(False, True)) -> list:
     """Backward kernels (main, then preprocess and dQ convert), as configs.all_bwd_variants lists them."""
-    mains = [configs.bwd_variant(d, dt, m, det, capability, smem_optin)
-             for d in head_dims for dt in dtypes for m in masks for det in deterministic]
+    mains = [configs.bwd_variant(d, dt, m, det, capability, smem_optin, mod)
+             for d in head_dims for dt in dtypes for m in masks for det in deterministic for mod in score_mods]
     helpers = [configs.BwdHelperVariant(kernel, d, dt) for kernel in BWD_HELPER_KERNELS
                for d in head_dims for dt in dtypes]
     return mains + helpers
@@ -334,10 +336,12 @@ def _default_jobs() -> int:
               help="Causal variants off, on, or both.")
 @click.option("--deterministic", type=click.Choice(sorted(_OFF_ON)), default="both", show_default=True,
               help="Backward: variants with deterministic dQ off, on, or both.")
+@click.option("--score-mod", type=click.Choice(sorted(_OFF_ON)), default="both", show_default=True,
+              help="Variants with softcap / ALiBi off, on, or both.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=_default_jobs, show_default="min(CPUs, 8)",
               help="Compiler processes run in parallel.")
 @click.pass_context
-def compile_command(ctx, head_dims, dtypes, direction, causal, deterministic, jobs):
+def compile_command(ctx, head_dims, dtypes, direction, causal, deterministic, score_mod, jobs):
     """Compile kernel variants ahead of time into CuPy's on-disk cache.
 
     Without options: every variant this GPU can use. Afterwards the first call of a variant in a
@@ -351,7 +355,8 @@ def compile_command(ctx, head_dims, dtypes, direction, causal, deterministic, jo
     # The variants are chosen here, from this device's opt-in shared memory, and handed to the
     # workers as they are: every worker builds exactly what flash_attn_func will ask for.
     names = tuple(bench.DTYPES[d] for d in dtypes)
-    choice = {"head_dims": head_dims, "dtypes": names, "masks": _MASKS_FOR_CAUSAL[causal]}
+    choice = {"head_dims": head_dims, "dtypes": names, "masks": _MASKS_FOR_CAUSAL[causal],
+              "score_mods": _OFF_ON[score_mod]}
     try:
         variants = []
         if direction in ("fwd", "all"):
@@ -463,17 +468,30 @@ def _finite_where(x, ref) -> bool:
     return bool(np.isfinite(x)[np.isfinite(ref)].all())
 
 
+def _case_options(variant) -> tuple[dict, dict]:
+    """Keyword options a variant is checked with, for flashcupy and for the reference: its mask
+    case, and for the score-mod kernels a softcap with ALiBi slopes on top."""
+    import cupy
+
+    options = dict(_MASK_CASES[variant.mask])
+    if not variant.score_mod:
+        return options, options
+    slopes = np.linspace(0.05, 0.2, CHECK_NHEADS).astype(np.float32)
+    options["softcap"] = CHECK_SOFTCAP
+    return {**options, "alibi_slopes": cupy.asarray(slopes)}, {**options, "alibi_slopes": slopes.astype(np.float64)}
+
+
 def _check_forward(variant, seqlen_q, seqlen_k, rng):
     import cupy
 
     from flashcupy.reference import attention_ref
 
     q, k, v = _random_inputs(rng, variant, seqlen_q, seqlen_k, 1)
-    out, lse = flashcupy.flash_attn_func(*(cupy.asarray(a) for a in (q, k, v)), return_lse=True,
-                                         **_MASK_CASES[variant.mask])
+    options, host_options = _case_options(variant)
+    out, lse = flashcupy.flash_attn_func(*(cupy.asarray(a) for a in (q, k, v)), return_lse=True, **options)
     out = cupy.asnumpy(out).astype(np.float64)
     lse = cupy.asnumpy(lse).astype(np.float64)
-    ref_out, ref_lse = attention_ref(*(a.astype(np.float64) for a in (q, k, v)), **_MASK_CASES[variant.mask])
+    ref_out, ref_lse = attention_ref(*(a.astype(np.float64) for a in (q, k, v)), **host_options)
     rel, max_abs = _rel_err(out, ref_out)
     # rows that see no key: the reference says LSE -inf, and so must the kernel
     empty_rows_agree = np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
@@ -491,10 +509,10 @@ def _check_backward(variant, seqlen_q, seqlen_k, rng):
 
     q, dout, k, v = _random_inputs(rng, variant, seqlen_q, seqlen_k, 2)
     q_d, k_d, v_d, dout_d = (cupy.asarray(a) for a in (q, k, v, dout))
-    mask = _MASK_CASES[variant.mask]
-    out, lse = flashcupy.flash_attn_func(q_d, k_d, v_d, return_lse=True, **mask)
-    grads = flashcupy.flash_attn_backward(dout_d, q_d, k_d, v_d, out, lse, **mask)
-    refs = attention_bwd_ref(*(a.astype(np.float64) for a in (dout, q, k, v)), **mask)
+    options, host_options = _case_options(variant)
+    out, lse = flashcupy.flash_attn_func(q_d, k_d, v_d, return_lse=True, **options)
+    grads = flashcupy.flash_attn_backward(dout_d, q_d, k_d, v_d, out, lse, **options)
+    refs = attention_bwd_ref(*(a.astype(np.float64) for a in (dout, q, k, v)), **host_options)
     rel = max_abs = 0.0
     ok = True
     for grad, ref in zip(grads, refs):

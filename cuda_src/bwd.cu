@@ -29,9 +29,16 @@
 // runs over keys, reads dS from shared memory. When the head dim is too large for one warp to hold
 // 16 rows of both dK and dV (192, 256), kDSplit warps share a key group and split the head dim of
 // dK, dV between them (they compute the same S^T and dP^T).
+//
+// Has_score_mod instances (softcap, ALiBi; score_mod.cuh) take S^T to natural units before P^T and
+// multiply dS^T by the softcap's 1 - tanh^2. A sink needs nothing here: it is in the LSE, and its
+// own gradient, -sum_i exp(sink - LSE_i) D_i, is a reduction flashcupy/api.py does. Varlen batches
+// run the preprocess and dQ-convert kernels as one sequence of all packed rows.
 #include "ptx.cuh"
 #include "tile.cuh"
 #include "grid.cuh"
+#include "seqlens.cuh"
+#include "score_mod.cuh"
 
 // ---- preprocess: D = rowsum(dO * O) and a zeroed dQ accumulator, 8 threads per row -------------
 template <int kHeadDim, bool Is_bf16>
@@ -141,26 +148,32 @@ struct BwdTraits {
 };
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_causal, bool Is_local,
-          bool Is_bf16, bool Is_deterministic>
+          bool Is_bf16, bool Is_deterministic, bool Has_score_mod>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   headdim)
                  const u16* __restrict__ k,     // (batch, seqlen_k, nheads_k, headdim)
                  const u16* __restrict__ v,     // (batch, seqlen_k, nheads_k, headdim)
                  const u16* __restrict__ dout,  // (batch, seqlen_q, nheads,   headdim)
-                 const float* __restrict__ lse,    // (batch, nheads, seqlen_q), natural log
-                 const float* __restrict__ delta,  // (batch, nheads, seqlen_q), rowsum(dO * O)
-                 float* __restrict__ dq_accum,     // (batch, seqlen_q, nheads, headdim), zeroed
+                 const float* __restrict__ lse,    // (batch, nheads, seqlen_q) or varlen (nheads, total_q)
+                 const float* __restrict__ delta,  // rowsum(dO * O), laid out as lse
+                 float* __restrict__ dq_accum,     // (batch, seqlen_q, nheads, headdim) or (total_q, ...), zeroed
                  u16* __restrict__ dk,          // (batch, seqlen_k, nheads, headdim): one slice per q head
                  u16* __restrict__ dv,          // (batch, seqlen_k, nheads, headdim)
                  int* __restrict__ dq_semaphore,   // (batch, nheads, q blocks), zeroed; deterministic only
-                 const int seqlen_q, const int seqlen_k, const int nheads, const int heads_per_kv_head,
+                 const int* __restrict__ cu_seqlens_q,  // varlen: (batch + 1), seqlens.cuh; padded: null
+                 const int* __restrict__ cu_seqlens_k,
+                 const int max_seqlen_q, const int max_seqlen_k, const int nheads, const int heads_per_kv_head,
                  const i64 q_batch_stride, const i64 q_row_stride, const i64 q_head_stride,
                  const i64 k_batch_stride, const i64 k_row_stride, const i64 k_head_stride,
                  const i64 v_batch_stride, const i64 v_row_stride, const i64 v_head_stride,
                  const i64 do_batch_stride, const i64 do_row_stride, const i64 do_head_stride,
                  const i64 dk_batch_stride, const i64 dk_row_stride, const i64 dk_head_stride,
                  const i64 dv_batch_stride, const i64 dv_row_stride, const i64 dv_head_stride,
-                 const int band_offset, const int window_left, const int window_right,  // Is_local, mask.cuh
+                 const i64 lse_batch_stride, const i64 lse_head_stride,
+                 const int align_bottom_right,                      // band offset seqlen_k - seqlen_q, else 0
+                 const int window_left, const int window_right,     // Is_local, mask.cuh
+                 const float softcap, const float* __restrict__ alibi_slopes,  // Has_score_mod
+                 const int alibi_batch_stride,
                  const float softmax_scale, const float scale_log2) {
     using T = BwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, kStages>;
     constexpr float kLog2e = 1.4426950408889634f;
@@ -175,11 +188,16 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
     float* sLse = reinterpret_cast<float*>(sdS + kBlockN * T::kPitchS);  // [kStages][kBlockM]
     float* sDelta = sLse + kStages * kBlockM;                              // [kStages][kBlockM]
 
-    const int num_n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
-    const int num_m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
     int n_block, head, batch;
     // Causal: key block 0 sees every q block, so ascending key blocks are heaviest first.
-    block_coords<Is_causal || Is_local, false>(blockIdx.x, num_n_blocks, nheads, n_block, head, batch);
+    block_coords<Is_causal || Is_local, false>(blockIdx.x, (max_seqlen_k + kBlockN - 1) / kBlockN, nheads, n_block,
+                                               head, batch);
+    const SeqLens seq(cu_seqlens_q, cu_seqlens_k, batch, max_seqlen_q, max_seqlen_k);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    if (n_block * kBlockN >= seqlen_k) return;  // varlen: past this sequence's end
+    const int num_m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
+    const int band_offset = align_bottom_right ? seqlen_k - seqlen_q : 0;
+    const ScoreMod mod(softmax_scale, softcap, alibi_slopes, alibi_batch_stride, batch, head, band_offset);
     const int kv_head = head / heads_per_kv_head;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -197,13 +215,16 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
     const int m_block_max =
         Is_local ? (band_row_last < 0 ? 0 : min(num_m_blocks, band_row_last / kBlockM + 1)) : num_m_blocks;
 
-    const u16* gQ = q + batch * q_batch_stride + head * q_head_stride;
-    const u16* gdO = dout + batch * do_batch_stride + head * do_head_stride;
-    const u16* gK = k + batch * k_batch_stride + kv_head * k_head_stride + key0 * k_row_stride;
-    const u16* gV = v + batch * v_batch_stride + kv_head * v_head_stride + key0 * v_row_stride;
-    const float* gLse = lse + (i64(batch) * nheads + head) * seqlen_q;
-    const float* gDelta = delta + (i64(batch) * nheads + head) * seqlen_q;
-    float* gdQ = dq_accum + (i64(batch) * seqlen_q * nheads + head) * kHeadDim;
+    const i64 q_start = seq.q_start, k_row = i64(seq.k_start) + key0;
+    const u16* gQ = q + batch * q_batch_stride + head * q_head_stride + q_start * q_row_stride;
+    const u16* gdO = dout + batch * do_batch_stride + head * do_head_stride + q_start * do_row_stride;
+    const u16* gK = k + batch * k_batch_stride + kv_head * k_head_stride + k_row * k_row_stride;
+    const u16* gV = v + batch * v_batch_stride + kv_head * v_head_stride + k_row * v_row_stride;
+    const float* gLse = lse + batch * lse_batch_stride + head * lse_head_stride + q_start;
+    const float* gDelta = delta + batch * lse_batch_stride + head * lse_head_stride + q_start;
+    // dq_accum rows: the packed rows (varlen) or max_seqlen_q per batch entry
+    const i64 dq_row0 = cu_seqlens_q ? q_start : i64(batch) * max_seqlen_q;
+    float* gdQ = dq_accum + (dq_row0 * nheads + head) * kHeadDim;
     const i64 dq_row_stride = i64(nheads) * kHeadDim;
 
     const u32 sK_base = smem_u32(sK), sV_base = smem_u32(sV), sQ_base = smem_u32(sQ), sdO_base = smem_u32(sdO);
@@ -289,8 +310,15 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
             }
         }
 
-        // Mask only blocks that straddle seqlen_k, seqlen_q or the diagonal. Element (nt, e) of this
-        // thread is key key0 + 16 kg + g + 8 (e / 2) and query row0 + 8 nt + 2 t + (e % 2).
+        // Element (nt, e) of this thread is key key0 + 16 kg + g + 8 (e / 2) and query row0 + 8 nt + 2 t + (e % 2).
+        if (Has_score_mod) {
+#pragma unroll
+            for (int nt = 0; nt < T::kQTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    acc_s[nt][e] = mod(acc_s[nt][e], row0 + 8 * nt + 2 * t + (e & 1), key0 + 16 * kg + g + 8 * (e >> 1));
+        }
+        // Mask only blocks that straddle seqlen_k, seqlen_q or the diagonal.
         const bool needs_mask = key0 + kBlockN > seqlen_k || row0 + kBlockM > seqlen_q ||
                                 (Is_causal && key0 + kBlockN - 1 > row0 + seqlen_k - seqlen_q) ||
                                 (Is_local && (key0 + kBlockN - 1 > row0 + band_offset + window_right ||
@@ -310,7 +338,9 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
                 }
         }
         // P^T = exp2(S^T c - LSE log2 e); dS^T = P^T (dP^T - D). A row that saw no key has LSE -inf:
-        // using +inf there makes P 0 instead of NaN.
+        // using +inf there makes P 0 instead of NaN. With score mods S^T is in natural units (c =
+        // log2 e) and dS^T takes the softcap's derivative.
+        const float score_log2 = Has_score_mod ? kLog2e : scale_log2;
 #pragma unroll
         for (int nt = 0; nt < T::kQTiles; ++nt) {
             const float2 lse_pair = *reinterpret_cast<const float2*>(sLse_s + 8 * nt + 2 * t);
@@ -323,9 +353,14 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int e = 2 * h + e1;
-                    const float p = fast_exp2(acc_s[nt][e] * scale_log2 - lse2);
+                    const float p = fast_exp2(acc_s[nt][e] * score_log2 - lse2);
+                    float ds = p * (acc_dp[nt][e] - d_row);
+                    if (Has_score_mod) {
+                        const int row = row0 + 8 * nt + 2 * t + e1, key = key0 + 16 * kg + g + 8 * h;
+                        ds *= mod.dcapped(acc_s[nt][e] - mod.bias(row, key));
+                    }
                     acc_s[nt][e] = p;
-                    acc_dp[nt][e] = p * (acc_dp[nt][e] - d_row);
+                    acc_dp[nt][e] = ds;
                 }
             }
         }
@@ -381,7 +416,7 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
                 }
             }
         }
-        int* sem = dq_semaphore + (i64(batch) * nheads + head) * num_m_blocks + m_block;
+        int* sem = dq_semaphore + (i64(batch) * nheads + head) * ((max_seqlen_q + kBlockM - 1) / kBlockM) + m_block;
         // Deterministic: add in key-block order. The key blocks that reach q block i are a
         // contiguous range, from 0 or (Is_local) from the one holding key row0 + offset - left;
         // the semaphore counts the ones that have added, so block j waits for j - n_first.

@@ -12,8 +12,10 @@
 //       O = O * exp2(m - m_new)
 //       prefetch K_{j-1} (async, overlaps PV)
 //       O += P V_j                             // P converted to 16-bit in registers, never stored
-//   O /= l;  LSE = m * softmax_scale + ln(l)   // c = softmax_scale * log2(e)
+//   O /= l;  LSE = m * softmax_scale + ln(l)   // c = softmax_scale * log2(e); a sink joins l here
 //
+// Has_score_mod instances turn S into natural units with softcap and ALiBi first (score_mod.cuh);
+// varlen batches find their rows through cu_seqlens (seqlens.cuh).
 // Warps split the q block (FA2 section 3.3): warp w owns rows [w * kRowsPerWarp, +kRowsPerWarp)
 // and shares K_j, V_j through shared memory, so no warp waits on another's partial results.
 #include "ptx.cuh"
@@ -21,6 +23,8 @@
 #include "softmax.cuh"
 #include "mask.cuh"
 #include "grid.cuh"
+#include "seqlens.cuh"
+#include "score_mod.cuh"
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool Is_causal_, bool Is_local_, bool Is_bf16_>
 struct FwdTraits {
@@ -39,19 +43,27 @@ struct FwdTraits {
     static_assert(kBlockN % 16 == 0, "key block must be a multiple of 16");
 };
 
-template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool Is_causal, bool Is_local, bool Is_bf16>
+template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool Is_causal, bool Is_local, bool Is_bf16,
+          bool Has_score_mod>
 __global__ void __launch_bounds__(kNWarps * 32)
 flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   headdim), strides below
                  const u16* __restrict__ k,    // (batch, seqlen_k, nheads_k, headdim)
                  const u16* __restrict__ v,    // (batch, seqlen_k, nheads_k, headdim)
                  u16* __restrict__ out,        // (batch, seqlen_q, nheads,   headdim)
-                 float* __restrict__ lse,      // (batch, nheads, seqlen_q), contiguous
-                 const int seqlen_q, const int seqlen_k, const int nheads, const int heads_per_kv_head,
+                 float* __restrict__ lse,      // (batch, nheads, seqlen_q) or varlen (nheads, total_q)
+                 const int* __restrict__ cu_seqlens_q,  // varlen: (batch + 1), seqlens.cuh; padded: null
+                 const int* __restrict__ cu_seqlens_k,
+                 const int max_seqlen_q, const int max_seqlen_k, const int nheads, const int heads_per_kv_head,
                  const i64 q_batch_stride, const i64 q_row_stride, const i64 q_head_stride,
                  const i64 k_batch_stride, const i64 k_row_stride, const i64 k_head_stride,
                  const i64 v_batch_stride, const i64 v_row_stride, const i64 v_head_stride,
                  const i64 o_batch_stride, const i64 o_row_stride, const i64 o_head_stride,
-                 const int band_offset, const int window_left, const int window_right,  // Is_local, mask.cuh
+                 const i64 lse_batch_stride, const i64 lse_head_stride,
+                 const int align_bottom_right,                      // band offset seqlen_k - seqlen_q, else 0
+                 const int window_left, const int window_right,     // Is_local, mask.cuh
+                 const float softcap, const float* __restrict__ alibi_slopes,  // Has_score_mod
+                 const int alibi_batch_stride,
+                 const float* __restrict__ sinks,  // (nheads) float32 sink logits; null: none
                  const float softmax_scale, const float scale_log2) {
     using T = FwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, Is_causal, Is_local, Is_bf16>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -60,19 +72,26 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
     u16* sV = sK + kBlockN * T::kPitch;
 
     int m_block, head, batch;
-    block_coords<Is_causal || Is_local, Is_causal || Is_local>(blockIdx.x, (seqlen_q + kBlockM - 1) / kBlockM, nheads, m_block, head, batch);
+    block_coords<Is_causal || Is_local, Is_causal || Is_local>(blockIdx.x, (max_seqlen_q + kBlockM - 1) / kBlockM, nheads, m_block, head, batch);
+    const SeqLens seq(cu_seqlens_q, cu_seqlens_k, batch, max_seqlen_q, max_seqlen_k);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    const int row0 = m_block * kBlockM;
+    if (row0 >= seqlen_q) return;  // varlen: past this sequence's end
     const int kv_head = head / heads_per_kv_head;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int row0 = m_block * kBlockM;
     const int rows_valid = min(kBlockM, seqlen_q - row0);
 
-    const u16* gQ = q + batch * q_batch_stride + head * q_head_stride + row0 * q_row_stride;
-    const u16* gK = k + batch * k_batch_stride + kv_head * k_head_stride;
-    const u16* gV = v + batch * v_batch_stride + kv_head * v_head_stride;
-    u16* gO = out + batch * o_batch_stride + head * o_head_stride + row0 * o_row_stride;
-    float* gLse = lse + (i64(batch) * nheads + head) * seqlen_q + row0;
+    const u16* gQ = q + batch * q_batch_stride + head * q_head_stride + (i64(seq.q_start) + row0) * q_row_stride;
+    const u16* gK = k + batch * k_batch_stride + kv_head * k_head_stride + i64(seq.k_start) * k_row_stride;
+    const u16* gV = v + batch * v_batch_stride + kv_head * v_head_stride + i64(seq.k_start) * v_row_stride;
+    u16* gO = out + batch * o_batch_stride + head * o_head_stride + (i64(seq.q_start) + row0) * o_row_stride;
+    float* gLse = lse + batch * lse_batch_stride + head * lse_head_stride + seq.q_start + row0;
 
+    const int band_offset = align_bottom_right ? seqlen_k - seqlen_q : 0;
     const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, window_left, window_right};
+    const ScoreMod mod(softmax_scale, softcap, alibi_slopes, alibi_batch_stride, batch, head, band_offset);
+    // With score mods S is in natural units before the softmax (score_mod.cuh).
+    const float score_log2 = Has_score_mod ? 1.4426950408889634f : scale_log2;
     const int n_block_min = Is_local ? mask.key_begin(row0) / kBlockN : 0;
     const int n_block_max = (mask.key_end(row0) + kBlockN - 1) / kBlockN;  // <= n_block_min: no key
     const int warp_row0 = warp * T::kRowsPerWarp;  // first row of this warp within the q block
@@ -134,8 +153,9 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
                 }
             }
         }
+        if (Has_score_mod) apply_score_mod(mod, acc_s, row0 + warp_row0, key0, lane);
         if (mask.tile_needs_mask(row0, n_block)) mask.apply(acc_s, row0 + warp_row0, key0, lane);
-        softmax.update(acc_s, acc_o, scale_log2);
+        softmax.update(acc_s, acc_o, score_log2);
 
         cp_async_wait<0>();
         __syncthreads();  // V_j landed; every warp is done reading K_j
@@ -165,7 +185,7 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
     }
 
     float row_lse[OnlineSoftmax<T::kMTiles>::kRows];
-    softmax.finalize(acc_o, softmax_scale, row_lse);
+    softmax.finalize(acc_o, Has_score_mod ? 1.f : softmax_scale, sinks ? sinks[head] : -FC_INF, row_lse);
 
     // Stage O through this warp's own rows of sQ (only this warp ever read them), then store
     // 16-byte chunks. A block with no key at all never loaded Q, so it skips straight here too.

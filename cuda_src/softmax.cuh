@@ -67,20 +67,31 @@ struct OnlineSoftmax {
         }
     }
 
-    // Reduce the row sums across the quad, scale o by 1 / sum and return each row's
-    // natural-log LSE in lse[r]. A row with no attended key (sum 0) gets o = 0 and LSE = -inf.
+    // Reduce the row sums across the quad, scale o by 1 / denominator and return each row's
+    // natural-log LSE in lse[r]. score_unit turns the running max into natural units (softmax_scale
+    // for raw scores, 1 for scores already scaled). `sink` (natural units; -inf: none) joins every
+    // row's denominator: lse = log(sum_j exp(s_j) + exp(sink)), evaluated against the larger of the
+    // row max and the sink so that neither overflows. A row with no attended key and no sink gets
+    // o = 0 and LSE = -inf; with a sink, o = 0 and LSE = sink.
     template <int kDTiles>
-    FC_DEVICE void finalize(float (&o)[kMTiles][kDTiles][4], float softmax_scale, float (&lse)[kRows]) {
-        constexpr float kLn2 = 0.6931471805599453f;
+    FC_DEVICE void finalize(float (&o)[kMTiles][kDTiles][4], float score_unit, float sink, float (&lse)[kRows]) {
+        constexpr float kLn2 = 0.6931471805599453f, kLog2e = 1.4426950408889634f;
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = 2 * mt + h;
                 const float sum = quad_sum(row_sum[r]);
-                const bool empty = (sum == 0.f);
-                const float inv = empty ? 0.f : 1.f / sum;
-                lse[r] = empty ? -FC_INF : row_max[r] * softmax_scale + fast_log2(sum) * kLn2;
+                const float m = row_max[r] == -FC_INF ? -FC_INF : row_max[r] * score_unit;
+                const float top = fmaxf(m, sink);
+                float inv = 0.f;
+                lse[r] = -FC_INF;
+                if (top != -FC_INF) {
+                    const float rows_part = fast_exp2((m - top) * kLog2e);  // 1 without a sink
+                    const float denom = sum * rows_part + fast_exp2((sink - top) * kLog2e);
+                    inv = rows_part / denom;
+                    lse[r] = top + fast_log2(denom) * kLn2;
+                }
 #pragma unroll
                 for (int dt = 0; dt < kDTiles; ++dt) {
                     o[mt][dt][2 * h] *= inv;

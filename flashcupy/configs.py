@@ -21,6 +21,8 @@ def mask_flags(mask: str) -> str:
         raise ValueError(f"mask must be one of {MASKS}; got {mask!r}")
     return f"{str(mask == 'causal').lower()}, {str(mask == 'local').lower()}"
 
+_MOD_TAG = {False: "", True: "+score_mod"}
+
 # Padding of each shared-memory row, in elements (see cuda_src/tile.cuh).
 SMEM_ROW_PAD = 8
 BYTES_PER_ELEMENT = 2
@@ -70,6 +72,7 @@ class FwdVariant:
     tile: FwdTile
     mask: str  # one of MASKS
     dtype: str  # "float16" or "bfloat16"
+    score_mod: bool = False  # softcap / ALiBi (cuda_src/score_mod.cuh)
 
     @property
     def source(self) -> str:
@@ -80,7 +83,7 @@ class FwdVariant:
         """The template instance, as NVRTC's name expressions want it."""
         t = self.tile
         return (f"flash_fwd_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}, "
-                f"{mask_flags(self.mask)}, {str(self.dtype == 'bfloat16').lower()}>")
+                f"{mask_flags(self.mask)}, {str(self.dtype == 'bfloat16').lower()}, {str(self.score_mod).lower()}>")
 
     @property
     def smem_bytes(self) -> int:
@@ -88,7 +91,7 @@ class FwdVariant:
 
     def __str__(self) -> str:
         t = self.tile
-        return (f"fwd d={self.head_dim} {self.dtype} mask={self.mask} "
+        return (f"fwd d={self.head_dim} {self.dtype} mask={self.mask}{_MOD_TAG[self.score_mod]} "
                 f"tile={t.block_m}x{t.block_n} warps={t.num_warps}")
 
 
@@ -167,10 +170,10 @@ def smem_limit(capability: int) -> int:
     return SMEM_PER_BLOCK_OPTIN[max(known)] if known else 48 * 1024
 
 
-def fwd_variant(head_dim: int, dtype: str, mask: str, capability: int,
-                smem_optin: int | None = None) -> FwdVariant:
+def fwd_variant(head_dim: int, dtype: str, mask: str, capability: int, smem_optin: int | None = None,
+                score_mod: bool = False) -> FwdVariant:
     mask_flags(mask)  # validates
-    return FwdVariant(head_dim, fwd_tile(head_dim, capability, smem_optin), mask, dtype)
+    return FwdVariant(head_dim, fwd_tile(head_dim, capability, smem_optin), mask, dtype, bool(score_mod))
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,7 @@ class BwdVariant:
     mask: str  # one of MASKS
     dtype: str
     deterministic: bool
+    score_mod: bool = False  # softcap / ALiBi (cuda_src/score_mod.cuh)
 
     source = "bwd.cu"
 
@@ -190,7 +194,7 @@ class BwdVariant:
         t = self.tile
         return (f"flash_bwd_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}, {t.stages}, "
                 f"{mask_flags(self.mask)}, {str(self.dtype == 'bfloat16').lower()}, "
-                f"{str(self.deterministic).lower()}>")
+                f"{str(self.deterministic).lower()}, {str(self.score_mod).lower()}>")
 
     @property
     def smem_bytes(self) -> int:
@@ -198,7 +202,8 @@ class BwdVariant:
 
     def __str__(self) -> str:
         t = self.tile
-        return (f"bwd d={self.head_dim} {self.dtype} mask={self.mask} deterministic={self.deterministic} "
+        return (f"bwd d={self.head_dim} {self.dtype} mask={self.mask}{_MOD_TAG[self.score_mod]} "
+                f"deterministic={self.deterministic} "
                 f"tile={t.block_m}x{t.block_n} warps={t.num_warps} stages={t.stages}")
 
 
@@ -222,15 +227,16 @@ class BwdHelperVariant:
 
 
 def bwd_variant(head_dim: int, dtype: str, mask: str, deterministic: bool, capability: int,
-                smem_optin: int | None = None) -> BwdVariant:
+                smem_optin: int | None = None, score_mod: bool = False) -> BwdVariant:
     mask_flags(mask)  # validates
-    return BwdVariant(head_dim, bwd_tile(head_dim, capability, smem_optin), mask, dtype, bool(deterministic))
+    return BwdVariant(head_dim, bwd_tile(head_dim, capability, smem_optin), mask, dtype, bool(deterministic),
+                      bool(score_mod))
 
 
 def all_bwd_variants(capability: int) -> list:
     """Every backward kernel (main, preprocess, dQ convert) the dispatcher can pick."""
-    mains = [bwd_variant(d, dt, m, det, capability) for d in SUPPORTED_HEAD_DIMS for dt in DTYPE_NAMES
-             for m in MASKS for det in (False, True)]
+    mains = [bwd_variant(d, dt, m, det, capability, score_mod=mod) for d in SUPPORTED_HEAD_DIMS
+             for dt in DTYPE_NAMES for m in MASKS for det in (False, True) for mod in (False, True)]
     helpers = [BwdHelperVariant(kernel, d, dt) for kernel in ("flash_bwd_preprocess_kernel",
                                                               "flash_bwd_convert_dq_kernel")
                for d in SUPPORTED_HEAD_DIMS for dt in DTYPE_NAMES]
@@ -239,4 +245,5 @@ def all_bwd_variants(capability: int) -> list:
 
 def all_fwd_variants(capability: int) -> list[FwdVariant]:
     """Every forward variant the dispatcher can pick on a device of this capability."""
-    return [fwd_variant(d, dt, m, capability) for d in SUPPORTED_HEAD_DIMS for dt in DTYPE_NAMES for m in MASKS]
+    return [fwd_variant(d, dt, m, capability, score_mod=mod) for d in SUPPORTED_HEAD_DIMS for dt in DTYPE_NAMES
+            for m in MASKS for mod in (False, True)]

@@ -18,7 +18,8 @@ class LaunchPlan:
 
 def plan_forward(variant: FwdVariant, batch: int, nheads: int, seqlen_q: int) -> LaunchPlan:
     """A 1-D grid of (q blocks x heads x batch) thread blocks, each owning block_m query rows of
-    one head; the kernel decodes its coordinates as block_coords() below does."""
+    one head; the kernel decodes its coordinates as block_coords() below does. Varlen: seqlen_q is
+    the longest sequence's."""
     tile = variant.tile
     num_blocks = -(-seqlen_q // tile.block_m) * nheads * batch
     if num_blocks >= 2**31:
@@ -30,20 +31,22 @@ def plan_forward(variant: FwdVariant, batch: int, nheads: int, seqlen_q: int) ->
 @dataclass(frozen=True)
 class Band:
     """The kernels' masking (cuda_src/mask.cuh): mode "none", "causal" (bottom-right) or "local",
-    the band where row i sees keys [i + offset - left, i + offset + right]."""
+    the band where row i sees keys [i + offset - left, i + offset + right]; the kernels take
+    offset = seqlen_k - seqlen_q of each sequence when bottom_right, else 0."""
 
     mask: str
-    offset: int = 0
+    bottom_right: bool = True
     left: int = 0
     right: int = 0
 
     def kernel_args(self):
-        return (np.int32(self.offset), np.int32(self.left), np.int32(self.right))
+        return (np.int32(self.bottom_right), np.int32(self.left), np.int32(self.right))
 
 
 def plan_band(causal: bool, window_size, alignment: str, seqlen_q: int, seqlen_k: int) -> Band:
     """Plain bottom-right causal takes the kernels' own causal instance; every other band the local
-    one, where causal is right = 0 and -1 in window_size a bound no row reaches."""
+    one, where causal is right = 0 and -1 in window_size a bound no row reaches. Varlen: the
+    longest sequences' lengths."""
     left, right = (int(w) for w in window_size)
     if causal:
         right = 0
@@ -55,8 +58,8 @@ def plan_band(causal: bool, window_size, alignment: str, seqlen_q: int, seqlen_k
     if unbounded >= 2**30:
         raise ValueError(f"seqlen_q + seqlen_k = {seqlen_q + seqlen_k} is too large for the kernels' 32-bit "
                          "row arithmetic")
-    offset = seqlen_k - seqlen_q if alignment == "bottom_right" else 0
-    return Band("local", offset, left if left >= 0 else unbounded, right if right >= 0 else unbounded)
+    return Band("local", alignment == "bottom_right", left if left >= 0 else unbounded,
+                right if right >= 0 else unbounded)
 
 
 @dataclass(frozen=True)

@@ -193,3 +193,82 @@ def check_band(causal, window_size, alignment) -> None:
                          "(use window_size=(left, 0) or (left, -1))")
     if alignment not in ALIGNMENTS:
         raise ValueError(f"alignment must be one of {ALIGNMENTS}; got {alignment!r}")
+
+
+def check_score_mods(softcap, alibi_slopes: ArraySpec | None, sinks: ArraySpec | None, batch: int, nheads: int,
+                     device) -> None:
+    """softcap >= 0 (0: off); alibi_slopes float32 (nheads,) or (batch, nheads); sinks float32 (nheads,)."""
+    try:
+        value = float(softcap)
+    except (TypeError, ValueError):
+        raise TypeError(f"softcap must be a number >= 0 (0: off); got {softcap!r}") from None
+    if not (value >= 0 and math.isfinite(value)) or value > float(np.finfo(np.float32).max):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off); got {softcap!r}")
+    for name, a, shapes in (("alibi_slopes", alibi_slopes, ((nheads,), (batch, nheads))),
+                            ("sinks", sinks, ((nheads,),))):
+        if a is None:
+            continue
+        if a.shape not in shapes:
+            wanted = " or ".join(str(s) for s in shapes)
+            raise ValueError(f"{name} must have shape {wanted} (nheads = {nheads}, batch = {batch}); got {a.shape}")
+        if a.dtype != np.float32:
+            raise TypeError(f"{name} must be float32; got {a.dtype}")
+        if any(s != e for s, e, n in zip(a.strides, _c_strides(a.shape), a.shape) if n > 1):
+            raise ValueError(f"{name} must be C-contiguous; copy it with cupy.ascontiguousarray({name})")
+        if a.device != device:
+            raise ValueError(f"{name} must be on q's device ({device}); got {a.device}")
+
+
+def check_varlen_layout(q: ArraySpec, k: ArraySpec, v: ArraySpec) -> None:
+    """Packed q (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim)."""
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if len(a.shape) != 3:
+            raise ValueError(f"{name} must have 3 dimensions (total_tokens, nheads, headdim) for varlen; "
+                             f"got shape {a.shape}")
+
+
+def check_cu_seqlens(cu_seqlens_q: ArraySpec, cu_seqlens_k: ArraySpec, max_seqlen_q, max_seqlen_k,
+                     device) -> int:
+    """The cumulative-length arrays' own properties; returns batch. Their values are checked by
+    check_cu_seqlens_values."""
+    for name, a in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if a.dtype != np.int32:
+            raise TypeError(f"{name} must be int32; got {a.dtype}")
+        if len(a.shape) != 1 or a.shape[0] < 2:
+            raise ValueError(f"{name} must be 1-D with batch + 1 >= 2 entries; got shape {a.shape}")
+        if a.strides[0] != 1:
+            raise ValueError(f"{name} must be contiguous; copy it with cupy.ascontiguousarray({name})")
+        if a.device != device:
+            raise ValueError(f"{name} must be on q's device ({device}); got {a.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0; got {value!r}")
+    return cu_seqlens_q.shape[0] - 1
+
+
+def check_cu_seqlens_values(name: str, cu: np.ndarray, total: int, max_seqlen: int) -> None:
+    """cu (host copy): starts at 0, non-decreasing, ends at the packed tensor's length, and no
+    sequence longer than max_seqlen."""
+    if cu[0] != 0:
+        raise ValueError(f"{name}[0] must be 0; got {cu[0]}")
+    lengths = np.diff(cu.astype(np.int64))
+    if (lengths < 0).any():
+        b = int(np.argmax(lengths < 0))
+        raise ValueError(f"{name} must be non-decreasing; {name}[{b + 1}] = {cu[b + 1]} < {name}[{b}] = {cu[b]}")
+    if cu[-1] != total:
+        raise ValueError(f"{name}[-1] = {cu[-1]} must equal the number of packed tokens ({total})")
+    longest = int(lengths.max(initial=0))
+    if longest > max_seqlen:
+        which = "max_seqlen_q" if name.endswith("_q") else "max_seqlen_k"
+        raise ValueError(f"{which} = {max_seqlen} is shorter than the longest sequence in {name} ({longest})")
+
+
+def _c_strides(shape) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))

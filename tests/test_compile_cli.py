@@ -13,7 +13,8 @@ from flashcupy import build, configs, device
 from flashcupy.device import DeviceInfo
 from cli_helpers import FAKE_GPU, invoke, on_gpu
 
-ALL_KERNELS = 36 + 96  # per device: fwd (6 head dims x 2 dtypes x 3 masks), bwd (72 main + 24 helpers)
+# per device: fwd (6 head dims x 2 dtypes x 3 masks x score mods off/on), bwd (144 main + 24 helpers)
+ALL_KERNELS = 72 + 168
 
 
 @pytest.fixture
@@ -89,14 +90,16 @@ def test_variant_lists_follow_the_devices_opt_in():
     assert cli.bwd_variants(90, small) == configs.all_bwd_variants(86)
     assert cli.fwd_variants(90, small) != configs.all_fwd_variants(90)
     for v in cli.fwd_variants(90, small):
-        assert v == configs.fwd_variant(v.head_dim, v.dtype, v.mask, 90, small)
+        assert v == configs.fwd_variant(v.head_dim, v.dtype, v.mask, 90, small, v.score_mod)
         assert v.smem_bytes <= small
 
 
 def test_variant_lists_filter():
     fwd = cli.fwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), masks=("causal",))
-    assert [str(v) for v in fwd] == ["fwd d=64 bfloat16 mask=causal tile=128x128 warps=4"]
-    bwd = cli.bwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), masks=("causal",), deterministic=(False,))
+    assert [str(v) for v in fwd] == ["fwd d=64 bfloat16 mask=causal tile=128x128 warps=4",
+                                     "fwd d=64 bfloat16 mask=causal+score_mod tile=128x128 warps=4"]
+    bwd = cli.bwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), masks=("causal",), deterministic=(False,),
+                           score_mods=(False,))
     assert [v.name_expression.split("<")[0] for v in bwd] == [
         "flash_bwd_kernel", "flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel"]
 
@@ -227,11 +230,11 @@ class FakePool:
 
 
 @pytest.mark.parametrize("args, count", [
-    (["--head-dims", "64", "--dtype", "bf16", "--direction", "fwd"], 3),
-    (["--direction", "fwd"], 36),
+    (["--head-dims", "64", "--dtype", "bf16", "--direction", "fwd", "--score-mod", "off"], 3),
+    (["--direction", "fwd"], 72),
     ([], ALL_KERNELS),
-    (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 8 + 8),
-    (["--dtype", "fp16", "--causal", "off", "--head-dims", "32"], 1 + 2 + 2),
+    (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 16 + 8),
+    (["--dtype", "fp16", "--causal", "off", "--head-dims", "32", "--score-mod", "on"], 1 + 2 + 2),
 ])
 def test_compile_selects_variants(cache, fake_gpu, monkeypatch, args, count):
     pool = FakePool()
@@ -296,7 +299,7 @@ def test_info_counts_and_marks_cached_kernels(cache, fake_gpu):
     out = result.stdout
     assert f"kernel cache:         {cache} (" in out
     assert (f"compiled on disk:     3 of {ALL_KERNELS} flashcupy kernels this GPU can use "
-            "(fwd 2 of 36, bwd 1 of 96)") in out
+            "(fwd 2 of 72, bwd 1 of 168)") in out
     assert "`flashcupy compile` builds the rest" in out
     marked = [line.strip() for line in out.splitlines() if line.endswith("[on disk]")]
     assert marked == [f"{forward[2]}  [on disk]", f"{forward[5]}  [on disk]"]
@@ -332,7 +335,7 @@ def test_compile_then_info_gpu(cache):
     args = ("compile", "--head-dims", "64", "--dtype", "bf16", "--direction", "fwd", "--jobs", "2")
     result = invoke(*args)
     assert result.exit_code == 0, result.output
-    n = len(configs.MASKS)  # one forward kernel per mask mode
+    n = len(configs.MASKS) * 2  # one forward kernel per mask mode, without and with score mods
     assert f"{n} of {n} kernels" in result.stdout and "FAIL" not in result.stdout
     cubins = sorted(cache.glob("*.cubin"))
     assert len(cubins) >= n  # CuPy's own cache files, written by the workers

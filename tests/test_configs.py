@@ -11,7 +11,7 @@ CAPABILITIES = [80, 86, 89, 90]
 def test_every_variant_fits_shared_memory(capability):
     limit = configs.smem_limit(capability)
     variants = configs.all_fwd_variants(capability)
-    assert len(variants) == len(configs.SUPPORTED_HEAD_DIMS) * 2 * len(configs.MASKS)
+    assert len(variants) == len(configs.SUPPORTED_HEAD_DIMS) * 2 * len(configs.MASKS) * 2  # x score_mod
     for v in variants:
         assert v.smem_bytes <= limit, f"{v} needs {v.smem_bytes} B of shared memory, {limit} available"
         t = v.tile
@@ -49,7 +49,9 @@ def test_backward_name_expression():
     v = configs.bwd_variant(64, "float16", "none", True, 90)
     t = v.tile
     assert v.name_expression == (f"flash_bwd_kernel<64, {t.block_m}, {t.block_n}, {t.num_warps}, {t.stages}, "
-                                 "false, false, false, true>")
+                                 "false, false, false, true, false>")
+    mod = configs.bwd_variant(64, "float16", "local", False, 90, score_mod=True)
+    assert mod.name_expression.endswith("false, true, false, false, true>") and "+score_mod" in str(mod)
 
 
 def test_smem_limit_falls_back_to_smaller_tile():
@@ -68,9 +70,10 @@ def test_unsupported_capability_and_head_dim():
 def test_name_expression_carries_template_arguments():
     v = configs.fwd_variant(128, "bfloat16", "causal", 90)
     t = v.tile
-    assert v.name_expression == f"flash_fwd_kernel<128, {t.block_m}, {t.block_n}, {t.num_warps}, true, false, true>"
-    local = configs.fwd_variant(128, "float16", "local", 90)
-    assert local.name_expression.endswith("false, true, false>")
+    assert v.name_expression == (f"flash_fwd_kernel<128, {t.block_m}, {t.block_n}, {t.num_warps}, true, false, true, "
+                                 "false>")
+    local = configs.fwd_variant(128, "float16", "local", 90, score_mod=True)
+    assert local.name_expression.endswith("false, true, false, true>")
     with pytest.raises(ValueError, match="mask must be one of"):
         configs.fwd_variant(128, "float16", True, 90)
 
@@ -112,10 +115,11 @@ def test_band_parameters():
     assert launch.plan_band(False, (-1, -1), "top_left", 100, 300).mask == "none"
     assert launch.plan_band(True, (-1, -1), "bottom_right", 100, 300).mask == "causal"
     top_left = launch.plan_band(True, (-1, -1), "top_left", 100, 300)
-    assert (top_left.mask, top_left.offset, top_left.right, top_left.left) == ("local", 0, 0, 400 + 256)
+    assert (top_left.mask, top_left.bottom_right, top_left.right, top_left.left) == ("local", False, 0, 400 + 256)
     windowed = launch.plan_band(True, (16, -1), "bottom_right", 100, 300)
-    assert (windowed.mask, windowed.offset, windowed.left, windowed.right) == ("local", 200, 16, 0)
+    assert (windowed.mask, windowed.bottom_right, windowed.left, windowed.right) == ("local", True, 16, 0)
+    assert [int(x) for x in windowed.kernel_args()] == [1, 16, 0]
     right_only = launch.plan_band(False, (-1, 8), "bottom_right", 300, 100)
-    assert (right_only.mask, right_only.offset, right_only.right, right_only.left) == ("local", -200, 8, 400 + 256)
+    assert (right_only.mask, right_only.bottom_right, right_only.right, right_only.left) == ("local", True, 8, 400 + 256)
     with pytest.raises(ValueError, match="too large"):
         launch.plan_band(False, (1, 1), "bottom_right", 2**29, 2**29)

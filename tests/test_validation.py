@@ -178,3 +178,61 @@ def test_band_options():
         check_band(False, (-1, -1), "diagonal")
     with pytest.raises(TypeError, match="causal must be True or False"):
         check_band("yes", (-1, -1), "bottom_right")
+
+
+def test_score_mod_options():
+    from flashcupy.validation import check_score_mods
+
+    f32 = np.float32
+    check_score_mods(0.0, None, None, 2, 8, 0)
+    check_score_mods(30, spec((8,), f32), spec((8,), f32), 2, 8, 0)
+    check_score_mods(0, spec((2, 8), f32), None, 2, 8, 0)
+    cases = [
+        (dict(softcap=-1.0), ValueError, "softcap must be a finite number >= 0"),
+        (dict(softcap=float("inf")), ValueError, "softcap"),
+        (dict(softcap="big"), TypeError, "softcap must be a number"),
+        (dict(alibi=spec((3, 8), f32)), ValueError, r"alibi_slopes must have shape \(8,\) or \(2, 8\)"),
+        (dict(alibi=spec((8,), np.float16)), TypeError, "alibi_slopes must be float32"),
+        (dict(alibi=spec((2, 8), f32, strides=(1, 2))), ValueError, "alibi_slopes must be C-contiguous"),
+        (dict(sinks=spec((2, 8), f32)), ValueError, r"sinks must have shape \(8,\)"),
+        (dict(sinks=spec((8,), np.float64)), TypeError, "sinks must be float32"),
+        (dict(sinks=spec((8,), f32, device=1)), ValueError, "sinks must be on q's device"),
+    ]
+    for change, error, match in cases:
+        args = dict(softcap=0.0, alibi=None, sinks=None)
+        args.update(change)
+        with pytest.raises(error, match=match):
+            check_score_mods(args["softcap"], args["alibi"], args["sinks"], 2, 8, 0)
+
+
+def test_varlen_layout_and_cu_seqlens():
+    from flashcupy.validation import check_cu_seqlens, check_cu_seqlens_values, check_varlen_layout
+
+    i32 = np.int32
+    check_varlen_layout(spec((30, 2, 64)), spec((40, 2, 64)), spec((40, 2, 64)))
+    with pytest.raises(ValueError, match="k must have 3 dimensions"):
+        check_varlen_layout(spec((30, 2, 64)), spec((1, 40, 2, 64)), spec((40, 2, 64)))
+    assert check_cu_seqlens(spec((4,), i32), spec((4,), i32), 10, 0, 0) == 3
+    cases = [
+        ((spec((4,), np.int64), spec((4,), i32), 1, 1), TypeError, "cu_seqlens_q must be int32"),
+        ((spec((4,), i32), spec((1,), i32), 1, 1), ValueError, "cu_seqlens_k must be 1-D with batch"),
+        ((spec((4,), i32), spec((5,), i32), 1, 1), ValueError, "same length"),
+        ((spec((4,), i32, strides=(2,)), spec((4,), i32), 1, 1), ValueError, "cu_seqlens_q must be contiguous"),
+        ((spec((4,), i32), spec((4,), i32, device=1), 1, 1), ValueError, "cu_seqlens_k must be on q's device"),
+        ((spec((4,), i32), spec((4,), i32), -1, 1), ValueError, "max_seqlen_q must be an int >= 0"),
+        ((spec((4,), i32), spec((4,), i32), 1, 2.5), ValueError, "max_seqlen_k must be an int"),
+    ]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match):
+            check_cu_seqlens(*args, 0)
+
+    check_cu_seqlens_values("cu_seqlens_q", np.array([0, 0, 5, 12], i32), 12, 7)  # empty sequence allowed
+    bad = [
+        ((np.array([1, 5, 12], i32), 12, 7), r"cu_seqlens_q\[0\] must be 0"),
+        ((np.array([0, 5, 4, 12], i32), 12, 8), r"non-decreasing; cu_seqlens_q\[2\] = 4 < cu_seqlens_q\[1\] = 5"),
+        ((np.array([0, 5, 11], i32), 12, 7), r"cu_seqlens_q\[-1\] = 11 must equal the number of packed tokens \(12\)"),
+        ((np.array([0, 5, 12], i32), 12, 6), "max_seqlen_q = 6 is shorter than the longest sequence"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            check_cu_seqlens_values("cu_seqlens_q", *args)

@@ -1,0 +1,230 @@
+"""softcap, ALiBi, attention sinks and variable-length (packed) batches, forward and backward, on
+the GPU, against the float64 reference; alone and combined with GQA, causal and windows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_helpers import REL_TOL, grad_rel_err, poison_pool, randn, rel_err, requires_gpu, to_host64
+
+pytestmark = requires_gpu
+
+GRAD_TOL = {"float16": 4e-3, "bfloat16": 3e-2}
+
+
+def _f32(rng, shape, low, high):
+    import cupy
+
+    return cupy.asarray(rng.uniform(low, high, shape).astype(np.float32))
+
+
+def _host(x):
+    import cupy
+
+    return None if x is None else cupy.asnumpy(x).astype(np.float64)
+
+
+def _check_lse(lse, ref_lse):
+    import cupy
+
+    lse_h = cupy.asnumpy(lse).astype(np.float64)
+    assert not np.isnan(lse_h).any()
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse_h), finite)
+    assert np.abs(lse_h[finite] - ref_lse[finite]).max(initial=0) < 1e-3 * max(1, np.abs(ref_lse[finite]).max(initial=0))
+
+
+def _check_grads(grads, refs, dtype_name, label):
+    """dq, dk, dv by relative error; dsinks (float32 sums) to 1e-3 of their size."""
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, refs):
+        gh = to_host64(g)
+        assert not np.isnan(gh).any(), (label, name)
+        if name == "dsinks":
+            assert np.abs(gh - r).max() <= 1e-3 * max(1.0, np.abs(r).max()), (label, gh, r)
+        else:
+            err = grad_rel_err(gh, r, refs[2])
+            assert err < GRAD_TOL[dtype_name], (label, name, err)
+    assert len(grads) == len(refs)
+
+
+# (seqlen_q, seqlen_k, causal, window_size, alignment, softcap, alibi: None / "heads" / "batch", sinks, GQA)
+MOD_CASES = [
+    (300, 517, False, (-1, -1), "bottom_right", 5.0, None, False, False),
+    (1000, 1000, True, (-1, -1), "bottom_right", 0.0, "heads", False, False),
+    (777, 1300, False, (200, 64), "top_left", 0.0, "batch", False, True),
+    (1000, 1000, True, (-1, -1), "bottom_right", 0.0, None, True, False),
+    (1300, 777, True, (-1, -1), "bottom_right", 0.0, None, True, True),  # 523 rows with only the sink
+    (777, 1300, True, (300, -1), "bottom_right", 10.0, "heads", True, True),
+    (129, 4000, False, (-1, -1), "top_left", 2.0, "batch", True, False),
+]
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", MOD_CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
+def test_softcap_alibi_sinks(dtype_name, head_dim, case):
+    import cupy
+
+    import flashcupy
+    from flashcupy.reference import attention_bwd_ref, attention_ref
+
+    seqlen_q, seqlen_k, causal, window_size, alignment, softcap, alibi, sinks, gqa = case
+    batch, nheads = 2, 4
+    rng = np.random.default_rng(seqlen_q + 7 * seqlen_k + head_dim)
+    q = randn(rng, (batch, seqlen_q, nheads, head_dim), dtype_name)
+    k, v = (randn(rng, (batch, seqlen_k, 2 if gqa else nheads, head_dim), dtype_name) for _ in range(2))
+    dout = randn(rng, q.shape, dtype_name)
+    kw = dict(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap,
+              alibi_slopes=None if alibi is None else _f32(rng, (nheads,) if alibi == "heads" else (batch, nheads),
+                                                           0.01, 0.3),
+              sinks=_f32(rng, (nheads,), -1.0, 3.0) if sinks else None)
+    host_kw = {**kw, "alibi_slopes": _host(kw["alibi_slopes"]), "sinks": _host(kw["sinks"])}
+    host = [to_host64(a) for a in (q, k, v, dout)]
+
+    poison_pool((q.shape, q.dtype), ((batch, nheads, seqlen_q), cupy.float32))
+    out, lse = flashcupy.flash_attn_func(q, k, v, return_lse=True, **kw)
+    ref_out, ref_lse = attention_ref(*host[:3], **host_kw)
+    out_h = to_host64(out)
+    assert not np.isnan(out_h).any()
+    assert rel_err(out_h, ref_out) < REL_TOL[dtype_name]
+    _check_lse(lse, ref_lse)
+    if softcap or alibi:  # the option changes the result: a kernel that ignored it fails
+        plain, _ = attention_ref(*host[:3], **{**host_kw, "softcap": 0.0, "alibi_slopes": None})
+        assert rel_err(plain, ref_out) > 10 * REL_TOL[dtype_name]
+
+    refs = attention_bwd_ref(host[3], *host[:3], **host_kw)
+    for deterministic in (False, True):
+        poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (q.shape, cupy.float32))
+        grads = flashcupy.flash_attn_backward(dout, q, k, v, out, lse, deterministic=deterministic, **kw)
+        _check_grads(grads, refs, dtype_name, f"deterministic={deterministic}")
+
+
+def test_sink_rows_without_keys_and_handle():
+    """Rows that see no key give 0 and LSE = sink; the handle returns dsinks."""
+    import cupy
+
+    import flashcupy
+    from flashcupy.reference import attention_bwd_ref
+
+    rng = np.random.default_rng(5)
+    q = randn(rng, (1, 300, 2, 64), "float16")
+    k, v = (randn(rng, (1, 100, 2, 64), "float16") for _ in range(2))
+    sinks = _f32(rng, (2,), 0.5, 1.5)
+    attn = flashcupy.FlashAttention(causal=True, sinks=sinks, softcap=3.0)
+    out = attn.forward(q, k, v)
+    lse = attn.saved[4]
+    assert (to_host64(out)[0, :200] == 0).all()
+    assert np.allclose(cupy.asnumpy(lse)[0, :, :200], cupy.asnumpy(sinks)[:, None], rtol=0, atol=1e-6)
+    dout = randn(rng, q.shape, "float16")
+    grads = attn.backward(dout)
+    refs = attention_bwd_ref(*(to_host64(a) for a in (dout, q, k, v)), causal=True, softcap=3.0, sinks=_host(sinks))
+    _check_grads(grads, refs, "float16", "handle")
+
+
+def _packed(rng, lengths, nheads, head_dim, dtype_name):
+    total = int(sum(lengths))
+    return randn(rng, (total, nheads, head_dim), dtype_name)
+
+
+def _cu(lengths):
+    import cupy
+
+    return cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+
+
+# (lengths_q, lengths_k, options): ragged, zero-length sequences on either side, batch 1
+VARLEN_CASES = [
+    ([1000], [1000], dict(causal=True)),
+    ([0, 1, 130, 777, 64, 0, 513], [5, 1, 300, 777, 0, 9, 513], dict()),
+    ([0, 1, 130, 777, 64, 0, 513], [5, 1, 300, 777, 0, 9, 513], dict(causal=True)),
+    ([17, 400, 1000, 3], [900, 400, 129, 3], dict(causal=True, window_size=(100, -1))),
+    ([17, 400, 1000, 3], [900, 400, 129, 3], dict(window_size=(32, 64), alignment="top_left", softcap=4.0)),
+    ([250, 0, 700], [300, 128, 650], dict(causal=True, alibi="batch", sinks=True)),
+]
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("lengths_q, lengths_k, options", VARLEN_CASES)
+def test_varlen(dtype_name, head_dim, gqa, lengths_q, lengths_k, options):
+    import cupy
+
+    import flashcupy
+    from flashcupy.reference import attention_varlen_bwd_ref, attention_varlen_ref
+
+    nheads, nheads_k = 4, 2 if gqa else 4
+    batch = len(lengths_q)
+    rng = np.random.default_rng(sum(lengths_q) + head_dim + gqa)
+    q = _packed(rng, lengths_q, nheads, head_dim, dtype_name)
+    k, v = (_packed(rng, lengths_k, nheads_k, head_dim, dtype_name) for _ in range(2))
+    dout = randn(rng, q.shape, dtype_name)
+    cu_q, cu_k = _cu(lengths_q), _cu(lengths_k)
+    kw = dict(options)
+    if kw.pop("alibi", None):
+        kw["alibi_slopes"] = _f32(rng, (batch, nheads), 0.01, 0.2)
+    if kw.pop("sinks", None):
+        kw["sinks"] = _f32(rng, (nheads,), -1.0, 2.0)
+    host_kw = {n: (_host(a) if n in ("alibi_slopes", "sinks") else a) for n, a in kw.items()}
+    sizes = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    host = [to_host64(a) for a in (q, k, v, dout)] + [cupy.asnumpy(cu_q), cupy.asnumpy(cu_k)]
+
+    poison_pool((q.shape, q.dtype), ((nheads, q.shape[0]), cupy.float32))
+    out, lse = flashcupy.flash_attn_varlen_func(q, k, v, *sizes, return_lse=True, **kw)
+    assert out.shape == q.shape and lse.shape == (nheads, q.shape[0])
+    ref_out, ref_lse = attention_varlen_ref(*host[:3], *host[4:], **host_kw)
+    out_h = to_host64(out)
+    assert not np.isnan(out_h).any()
+    assert rel_err(out_h, ref_out) < REL_TOL[dtype_name]
+    _check_lse(lse, ref_lse)
+
+    refs = attention_varlen_bwd_ref(host[3], *host[:3], *host[4:], **host_kw)
+    for deterministic in (False, True):
+        poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (q.shape, cupy.float32))
+        grads = flashcupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, *sizes, deterministic=deterministic,
+                                                     **kw)
+        _check_grads(grads, refs, dtype_name, f"deterministic={deterministic}")
+
+
+def test_varlen_many_sequences_and_heads():
+    """Large batch x heads: 96 ragged sequences (some empty), 16 heads, fp16."""
+    import flashcupy
+    from flashcupy.reference import attention_varlen_ref
+
+    rng = np.random.default_rng(11)
+    lengths = rng.integers(0, 300, 96)
+    lengths[::17] = 0
+    q, k, v = (_packed(rng, lengths, 16, 64, "float16") for _ in range(3))
+    cu = _cu(lengths)
+    out = flashcupy.flash_attn_varlen_func(q, k, v, cu, cu, int(lengths.max()), int(lengths.max()), causal=True)
+    ref, _ = attention_varlen_ref(*(to_host64(a) for a in (q, k, v)), cu.get(), cu.get(), causal=True)
+    assert rel_err(to_host64(out), ref) < REL_TOL["float16"]
+
+
+def test_varlen_validation():
+    import cupy
+
+    import flashcupy
+
+    rng = np.random.default_rng(3)
+    q = _packed(rng, [10, 20], 2, 64, "float16")
+    good = _cu([10, 20])
+    cases = [
+        (dict(cu_seqlens_q=good.astype(cupy.int64)), TypeError, "cu_seqlens_q must be int32"),
+        (dict(cu_seqlens_k=cupy.asarray([0, 20, 10], cupy.int32)), ValueError, "non-decreasing"),
+        (dict(cu_seqlens_q=cupy.asarray([0, 10, 29], cupy.int32)), ValueError, "number of packed tokens"),
+        (dict(cu_seqlens_q=cupy.asarray([1, 10, 30], cupy.int32)), ValueError, r"cu_seqlens_q\[0\] must be 0"),
+        (dict(max_seqlen_k=19), ValueError, "max_seqlen_k = 19 is shorter"),
+        (dict(cu_seqlens_k=_cu([30])), ValueError, "same length"),
+        (dict(q=q[None]), ValueError, "q must have 3 dimensions"),
+    ]
+    for change, error, match in cases:
+        args = dict(q=q, k=q, v=q, cu_seqlens_q=good, cu_seqlens_k=good, max_seqlen_q=20, max_seqlen_k=20)
+        args.update(change)
+        with pytest.raises(error, match=match):
+            flashcupy.flash_attn_varlen_func(**args)
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        flashcupy.flash_attn_varlen_func(q, q, q, good, good, 20, 20, alibi_slopes=cupy.zeros((3, 2), cupy.float32))
+    with pytest.raises(ValueError, match="softcap must be"):
+        flashcupy.flash_attn_varlen_func(q, q, q, good, good, 20, 20, softcap=-1.0)
