@@ -127,7 +127,6 @@ def _capability(info) -> str:
 # The kernel variants this device can use
 # ----------------------------------------------------------------------------------------------
 
-BWD_HELPER_KERNELS = ("flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel")
 # `compile --causal`: off builds the unmasked kernels, on the masked ones (causal and local).
 _MASKS_FOR_CAUSAL = {"off": ("none",), "on": ("causal", "local"), "both": configs.MASKS}
 # The masking each variant is checked with: the local kernels with a two-sided top-left window.
@@ -152,7 +151,7 @@ def bwd_variants(capability, smem_optin=None, head_dims=configs.SUPPORTED_HEAD_D
     """Backward kernels (main, then preprocess and dQ convert), as configs.all_bwd_variants lists them."""
     mains = [configs.bwd_variant(d, dt, m, det, capability, smem_optin, mod)
              for d in head_dims for dt in dtypes for m in masks for det in deterministic for mod in score_mods]
-    helpers = [configs.BwdHelperVariant(kernel, d, dt) for kernel in BWD_HELPER_KERNELS
+    helpers = [configs.BwdHelperVariant(kernel, d, dt) for kernel in configs.BWD_HELPER_KERNELS
                for d in head_dims for dt in dtypes]
     return mains + helpers
 

@@ -112,6 +112,43 @@ flash_bwd_convert_dq_kernel(const float* __restrict__ dq_accum,  // (batch, seql
     *reinterpret_cast<uint4*>(dq + b * dq_batch_stride + row * dq_row_stride + head * dq_head_stride + chunk * 8) = o;
 }
 
+// ---- GQA: dK (or dV) of a kv head = sum of its query heads' slices, 8 elements per thread -------
+// One pass over the per-query-head gradients, float32 sums, one rounding (the group's heads are
+// adjacent: query head h belongs to kv head h / group).
+template <int kHeadDim, bool Is_bf16>
+__global__ void __launch_bounds__(256)
+flash_bwd_group_sum_kernel(const u16* __restrict__ per_head,  // (rows, nheads_k * group, headdim), contiguous
+                           u16* __restrict__ grad,            // (batch, seqlen, nheads_k, headdim), strides below
+                           const i64 rows, const int seqlen, const int nheads_k, const int group,
+                           const i64 batch_stride, const i64 row_stride, const i64 head_stride) {
+    constexpr int kChunks = kHeadDim / 8;
+    const i64 idx = i64(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= rows * nheads_k * kChunks) return;
+    const int chunk = int(idx % kChunks);
+    const int head_k = int((idx / kChunks) % nheads_k);
+    const i64 row = idx / (i64(kChunks) * nheads_k);
+    const u16* src = per_head + (row * nheads_k * group + i64(head_k) * group) * kHeadDim + chunk * 8;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int m = 0; m < group; ++m) {
+        const uint4 x = *reinterpret_cast<const uint4*>(src + m * kHeadDim);
+        const u32 xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float lo, hi;
+            unpack_f32x2<Is_bf16>(xs[i], lo, hi);
+            acc[2 * i] += lo;
+            acc[2 * i + 1] += hi;
+        }
+    }
+    uint4 o;
+    o.x = pack_f32x2<Is_bf16>(acc[0], acc[1]);
+    o.y = pack_f32x2<Is_bf16>(acc[2], acc[3]);
+    o.z = pack_f32x2<Is_bf16>(acc[4], acc[5]);
+    o.w = pack_f32x2<Is_bf16>(acc[6], acc[7]);
+    *reinterpret_cast<uint4*>(grad + (row / seqlen) * batch_stride + (row % seqlen) * row_stride +
+                              head_k * head_stride + chunk * 8) = o;
+}
+
 // ---- main kernel ------------------------------------------------------------------------------
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_>
 struct BwdTraits {

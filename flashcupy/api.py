@@ -302,16 +302,17 @@ def _backward(problem: _Problem, dout, q, k, v, out, softmax_lse, deterministic,
         dtype = dtype_name(q.dtype)
         variant = configs.bwd_variant(p.head_dim, dtype, p.band.mask, deterministic, info.capability,
                                       info.smem_per_block_optin, p.score_mod)
-        plans = launch.plan_backward(variant, p.batch, p.nheads, p.max_seqlen_q, p.max_seqlen_k)
+        plans = launch.plan_backward(variant, p.batch, p.nheads, p.max_seqlen_q, p.max_seqlen_k, p.nheads_k,
+                                     rows_q=q.shape[0] * (1 if p.is_varlen else p.max_seqlen_q),
+                                     rows_k=k.shape[0] * (1 if p.is_varlen else p.max_seqlen_k))
         # The row-wise helpers see the packed rows of a varlen batch as one sequence.
         rows_batch, rows_seqlen = (1, q.shape[0]) if p.is_varlen else (p.batch, p.max_seqlen_q)
-        helper_plans = launch.plan_backward(variant, rows_batch, p.nheads, rows_seqlen, p.max_seqlen_k)
 
         # 1. D = rowsum(dO * O), laid out as the LSE, and the float32 dQ accumulator zeroed
         delta = cupy.empty(softmax_lse.shape, cupy.float32)
         dq_accum = cupy.empty((*q.shape[:-1], p.head_dim), cupy.float32)
         pre = configs.BwdHelperVariant("flash_bwd_preprocess_kernel", p.head_dim, dtype)
-        build.get_kernel(pre)(helper_plans.preprocess.grid, helper_plans.preprocess.block,
+        build.get_kernel(pre)(plans.preprocess.grid, plans.preprocess.block,
                               (dout, out, delta, dq_accum, np.int32(rows_seqlen), np.int32(p.nheads),
                                np.int32(rows_batch), *_row_strides(dout, out)))
         # 2. dK, dV per key block; dQ added into the accumulator. Under GQA each query head writes
@@ -328,18 +329,16 @@ def _backward(problem: _Problem, dout, q, k, v, out, softmax_lse, deterministic,
                                   shared_mem=plans.main.smem_bytes)
         # 3. dQ = dq_accum * softmax_scale, in the input dtype
         conv = configs.BwdHelperVariant("flash_bwd_convert_dq_kernel", p.head_dim, dtype)
-        build.get_kernel(conv)(helper_plans.convert_dq.grid, helper_plans.convert_dq.block,
+        build.get_kernel(conv)(plans.convert_dq.grid, plans.convert_dq.block,
                                (dq_accum, dq, np.int32(rows_seqlen), np.int32(p.nheads), np.int32(rows_batch),
                                 *_row_strides(dq), np.float32(p.scale)))
-        if grouped:
-            group = p.nheads // p.nheads_k
+        if grouped:  # 4. dK, dV of each kv head: the sum over its query heads, in one pass
+            group_sum = build.get_kernel(configs.BwdHelperVariant("flash_bwd_group_sum_kernel", p.head_dim, dtype))
+            rows, seqlen = (k.shape[0], k.shape[0]) if p.is_varlen else (p.batch * p.max_seqlen_k, p.max_seqlen_k)
             for g_heads, g in ((dk_heads, dk), (dv_heads, dv)):
-                # float32 sum over the group, one query head at a time (no float32 copy of g_heads)
-                per_head = g_heads.reshape(*k.shape[:-2], p.nheads_k, group, p.head_dim)
-                summed = per_head[..., 0, :].astype(cupy.float32)
-                for member in range(1, group):
-                    summed += per_head[..., member, :]
-                g[...] = summed.astype(q.dtype)
+                group_sum(plans.group_sum.grid, plans.group_sum.block,
+                          (g_heads, g, np.int64(rows), np.int32(seqlen), np.int32(p.nheads_k),
+                           np.int32(p.nheads // p.nheads_k), *_row_strides(g)))
         if dsinks is not None:
             # d loss / d sink_h = -sum over rows of exp(sink_h - LSE) * D: the sink's share of each
             # row's denominator times the row's dO . O

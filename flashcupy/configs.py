@@ -207,11 +207,15 @@ class BwdVariant:
                 f"tile={t.block_m}x{t.block_n} warps={t.num_warps} stages={t.stages}")
 
 
+BWD_HELPER_KERNELS = ("flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel", "flash_bwd_group_sum_kernel")
+
+
 @dataclass(frozen=True)
 class BwdHelperVariant:
-    """The backward's preprocess (D = rowsum(dO * O)) or dQ-convert kernel for one head dim, dtype."""
+    """The backward's preprocess (D = rowsum(dO * O)), dQ-convert or GQA group-sum kernel for one head
+    dim, dtype."""
 
-    kernel: str  # "flash_bwd_preprocess_kernel" or "flash_bwd_convert_dq_kernel"
+    kernel: str  # one of BWD_HELPER_KERNELS
     head_dim: int
     dtype: str
 
@@ -234,11 +238,10 @@ def bwd_variant(head_dim: int, dtype: str, mask: str, deterministic: bool, capab
 
 
 def all_bwd_variants(capability: int) -> list:
-    """Every backward kernel (main, preprocess, dQ convert) the dispatcher can pick."""
+    """Every backward kernel (main, preprocess, dQ convert, GQA group sum) the dispatcher can pick."""
     mains = [bwd_variant(d, dt, m, det, capability, score_mod=mod) for d in SUPPORTED_HEAD_DIMS
              for dt in DTYPE_NAMES for m in MASKS for det in (False, True) for mod in (False, True)]
-    helpers = [BwdHelperVariant(kernel, d, dt) for kernel in ("flash_bwd_preprocess_kernel",
-                                                              "flash_bwd_convert_dq_kernel")
+    helpers = [BwdHelperVariant(kernel, d, dt) for kernel in BWD_HELPER_KERNELS
                for d in SUPPORTED_HEAD_DIMS for dt in DTYPE_NAMES]
     return mains + helpers
 

@@ -67,6 +67,7 @@ class BackwardPlans:
     preprocess: LaunchPlan  # D = rowsum(dO * O): 16 rows per 128-thread block
     main: LaunchPlan        # one block per (key block, head, batch)
     convert_dq: LaunchPlan  # 8 elements per thread
+    group_sum: LaunchPlan   # GQA: 8 elements of dK or dV per thread
     semaphores: tuple       # shape of the deterministic mode's dq semaphores: (batch, nheads, q blocks)
 
 
@@ -74,18 +75,26 @@ PREPROCESS_ROWS_PER_BLOCK = 16
 CONVERT_THREADS = 256
 
 
-def plan_backward(variant: BwdVariant, batch: int, nheads: int, seqlen_q: int, seqlen_k: int) -> BackwardPlans:
+def plan_backward(variant: BwdVariant, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
+                  nheads_k: int | None = None, rows_q: int | None = None, rows_k: int | None = None) -> BackwardPlans:
+    """seqlen_q, seqlen_k: the (longest) sequence lengths, which size the main grid; rows_q, rows_k:
+    the rows of q and of k in memory (batch * seqlen when padded, the packed totals for varlen),
+    which the row-wise helpers run over."""
     tile = variant.tile
-    num_n_blocks = -(-seqlen_k // tile.block_n)
-    num_blocks = num_n_blocks * nheads * batch
-    rows = batch * nheads * seqlen_q
-    chunks = batch * seqlen_q * nheads * variant.head_dim // 8
-    if max(num_blocks, -(-rows // PREPROCESS_ROWS_PER_BLOCK), -(-chunks // CONVERT_THREADS)) >= 2**31:
+    nheads_k = nheads if nheads_k is None else nheads_k
+    rows_q = batch * seqlen_q if rows_q is None else rows_q
+    rows_k = batch * seqlen_k if rows_k is None else rows_k
+    num_blocks = -(-seqlen_k // tile.block_n) * nheads * batch
+    stat_rows = rows_q * nheads
+    chunks_q = rows_q * nheads * variant.head_dim // 8
+    chunks_k = rows_k * nheads_k * variant.head_dim // 8
+    if max(num_blocks, -(-stat_rows // PREPROCESS_ROWS_PER_BLOCK), -(-chunks_q // CONVERT_THREADS)) >= 2**31:
         raise ValueError("the problem needs more than 2**31 - 1 thread blocks; split the batch")
     return BackwardPlans(
-        preprocess=LaunchPlan((-(-rows // PREPROCESS_ROWS_PER_BLOCK), 1, 1), (128, 1, 1), 0),
+        preprocess=LaunchPlan((-(-stat_rows // PREPROCESS_ROWS_PER_BLOCK), 1, 1), (128, 1, 1), 0),
         main=LaunchPlan((num_blocks, 1, 1), (tile.threads, 1, 1), variant.smem_bytes),
-        convert_dq=LaunchPlan((-(-chunks // CONVERT_THREADS), 1, 1), (CONVERT_THREADS, 1, 1), 0),
+        convert_dq=LaunchPlan((-(-chunks_q // CONVERT_THREADS), 1, 1), (CONVERT_THREADS, 1, 1), 0),
+        group_sum=LaunchPlan((-(-chunks_k // CONVERT_THREADS), 1, 1), (CONVERT_THREADS, 1, 1), 0),
         semaphores=(batch, nheads, -(-seqlen_q // tile.block_m)),
     )
 

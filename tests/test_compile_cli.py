@@ -13,8 +13,8 @@ from flashcupy import build, configs, device
 from flashcupy.device import DeviceInfo
 from cli_helpers import FAKE_GPU, invoke, on_gpu
 
-# per device: fwd (6 head dims x 2 dtypes x 3 masks x score mods off/on), bwd (144 main + 24 helpers)
-ALL_KERNELS = 72 + 168
+# per device: fwd (6 head dims x 2 dtypes x 3 masks x score mods off/on), bwd (144 main + 36 helpers)
+ALL_KERNELS = 72 + 180
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_variant_lists_filter():
     bwd = cli.bwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), masks=("causal",), deterministic=(False,),
                            score_mods=(False,))
     assert [v.name_expression.split("<")[0] for v in bwd] == [
-        "flash_bwd_kernel", "flash_bwd_preprocess_kernel", "flash_bwd_convert_dq_kernel"]
+        "flash_bwd_kernel", *configs.BWD_HELPER_KERNELS]
 
 
 def test_variants_pickle():
@@ -233,8 +233,8 @@ class FakePool:
     (["--head-dims", "64", "--dtype", "bf16", "--direction", "fwd", "--score-mod", "off"], 3),
     (["--direction", "fwd"], 72),
     ([], ALL_KERNELS),
-    (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 16 + 8),
-    (["--dtype", "fp16", "--causal", "off", "--head-dims", "32", "--score-mod", "on"], 1 + 2 + 2),
+    (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 16 + 12),
+    (["--dtype", "fp16", "--causal", "off", "--head-dims", "32", "--score-mod", "on"], 1 + 2 + 3),
 ])
 def test_compile_selects_variants(cache, fake_gpu, monkeypatch, args, count):
     pool = FakePool()
@@ -299,7 +299,7 @@ def test_info_counts_and_marks_cached_kernels(cache, fake_gpu):
     out = result.stdout
     assert f"kernel cache:         {cache} (" in out
     assert (f"compiled on disk:     3 of {ALL_KERNELS} flashcupy kernels this GPU can use "
-            "(fwd 2 of 72, bwd 1 of 168)") in out
+            "(fwd 2 of 72, bwd 1 of 180)") in out
     assert "`flashcupy compile` builds the rest" in out
     marked = [line.strip() for line in out.splitlines() if line.endswith("[on disk]")]
     assert marked == [f"{forward[2]}  [on disk]", f"{forward[5]}  [on disk]"]

@@ -39,6 +39,13 @@ def test_backward_plans_cover_rows_and_keys():
     assert plans.preprocess.grid[0] * launch.PREPROCESS_ROWS_PER_BLOCK >= 3 * 5 * 1000
     assert plans.convert_dq.grid[0] * launch.CONVERT_THREADS * 8 >= 3 * 1000 * 5 * 128
     assert plans.semaphores == (3, 5, -(-1000 // v.tile.block_m))
+    # GQA 5 -> 1 kv head; varlen: helpers run over the packed rows, the main grid over the longest sequence
+    packed = launch.plan_backward(v, batch=3, nheads=5, seqlen_q=1000, seqlen_k=777, nheads_k=1, rows_q=1500,
+                                  rows_k=1200)
+    assert packed.main == plans.main
+    assert packed.preprocess.grid[0] == -(-1500 * 5 // launch.PREPROCESS_ROWS_PER_BLOCK)
+    assert packed.convert_dq.grid[0] == -(-1500 * 5 * 128 // 8 // launch.CONVERT_THREADS)
+    assert packed.group_sum.grid[0] == -(-1200 * 1 * 128 // 8 // launch.CONVERT_THREADS)
     blocks = {launch.block_coords(x, plans.main.grid[0], num_n, 5, True, False) for x in range(plans.main.grid[0])}
     assert blocks == {(n, h, b) for n in range(num_n) for h in range(5) for b in range(3)}
     # causal: key block 0 (the one every q block sees) of every head goes first

@@ -12,6 +12,8 @@ from flashcupy.reference import (
     attention_flops,
     attention_mask,
     attention_ref,
+    attention_varlen_bwd_ref,
+    attention_varlen_ref,
     causal_mask,
     fa2_backward_tiled,
     fa2_forward_tiled,
@@ -47,21 +49,35 @@ def _sees(i, j, seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), alignmen
     return (left == -1 or j >= i + offset - left) and (right == -1 or j <= i + offset + right)
 
 
-def _loop_attention(q, k, v, scale, causal, window_size=(-1, -1), alignment="bottom_right"):
-    """Per-element attention with math.exp, independent of the module's vectorised code."""
+def _loop_attention(q, k, v, scale, causal, window_size=(-1, -1), alignment="bottom_right", softcap=0.0,
+                    alibi=None, sinks=None):
+    """Per-element attention with math.exp, independent of the module's vectorised code.
+
+    softcap as the module's; alibi (batch, nheads) slopes, sinks (nheads,) logits, written out from
+    the module docstring's formulas.
+    """
     batch, sq, nheads, d = q.shape
     sk, nheads_k = k.shape[1], k.shape[2]
+    offset = sk - sq if alignment == "bottom_right" else 0
     out = np.zeros(q.shape)
     lse = np.full((batch, nheads, sq), -np.inf)
     for b, h, i in itertools.product(range(batch), range(nheads), range(sq)):
         kh = h // (nheads // nheads_k)
         keys = [j for j in range(sk) if _sees(i, j, sq, sk, causal, window_size, alignment)]
-        if not keys:
+        scores = {}
+        for j in keys:
+            s = scale * sum(q[b, i, h, e] * k[b, j, kh, e] for e in range(d))
+            if softcap:
+                s = softcap * math.tanh(s / softcap)
+            if alibi is not None:
+                s -= alibi[b][h] * abs(i + offset - j)
+            scores[j] = s
+        sink = [] if sinks is None else [sinks[h]]
+        if not keys and not sink:
             continue
-        scores = {j: scale * sum(q[b, i, h, e] * k[b, j, kh, e] for e in range(d)) for j in keys}
-        top = max(scores.values())
+        top = max(list(scores.values()) + sink)
         weights = {j: math.exp(s - top) for j, s in scores.items()}
-        total = sum(weights.values())
+        total = sum(weights.values()) + sum(math.exp(x - top) for x in sink)
         lse[b, h, i] = top + math.log(total)
         for e in range(d):
             out[b, i, h, e] = sum(w * v[b, j, kh, e] for j, w in weights.items()) / total
@@ -163,29 +179,33 @@ def test_bad_shapes_rejected():
 
 
 def _check_against_finite_differences(dout, q, k, v, kw):
-    """attention_bwd_ref's gradients of sum(out * dout) against central differences of attention_ref."""
+    """attention_bwd_ref's gradients of sum(out * dout) against central differences of attention_ref:
+    dq, dk, dv, and dsinks when kw has sinks."""
+    kw = dict(kw)
+    sinks = kw.pop("sinks", None)
+    args = [q.copy(), k.copy(), v.copy()] + ([] if sinks is None else [np.array(sinks, dtype=float)])
 
-    def f(q, k, v):
-        return np.sum(attention_ref(q, k, v, **kw)[0] * dout)
+    def f():
+        q, k, v, *sinks = args
+        return np.sum(attention_ref(q, k, v, sinks=sinks[0] if sinks else None, **kw)[0] * dout)
 
-    grads = attention_bwd_ref(dout, q, k, v, **kw)
+    grads = attention_bwd_ref(dout, q, k, v, sinks=sinks, **kw)
+    assert len(grads) == len(args)
     eps = 1e-5
-    for which, grad in enumerate(grads):
-        args = [q.copy(), k.copy(), v.copy()]
-        x = args[which]
+    for name, x, grad in zip(("dq", "dk", "dv", "dsinks"), args, grads):
         numeric = np.zeros(x.shape)
         for idx in np.ndindex(x.shape):
             orig = x[idx]
             x[idx] = orig + eps
-            up = f(*args)
+            up = f()
             x[idx] = orig - eps
-            down = f(*args)
+            down = f()
             x[idx] = orig
             numeric[idx] = (up - down) / (2 * eps)
         # Relative to the gradient's size, absolute where it is 0 (a row seeing one key only
         # gives no dq, dk).
         err = np.max(np.abs(grad - numeric)) / max(np.max(np.abs(numeric)), 1e-2)
-        assert err < 1e-6, ("dq", "dk", "dv")[which]
+        assert err < 1e-6, name
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -744,6 +764,318 @@ def test_causal_mask_alignment_validation():
         causal_mask(3, 4, alignment="topleft")
     with pytest.raises(ValueError, match="alignment"):
         causal_mask(3, 4, "bottom")
+
+
+# ----------------------------------------------------------------------------------------------
+# Softcap, ALiBi and attention sinks
+# ----------------------------------------------------------------------------------------------
+
+MODS = ["softcap", "alibi", "alibi_batch", "sinks", "all"]
+# (causal, window_size) for the option tests: none, causal, a window, causal with a window.
+MOD_BANDS = [(False, (-1, -1)), (True, (-1, -1)), (False, (17, 4)), (True, (5, 0))]
+
+
+def _mod_kwargs(rng, name, batch, nheads):
+    """attention_ref's softcap / alibi_slopes / sinks for one MODS entry; "all" has every one,
+    ALiBi per batch."""
+    kw = {}
+    if name in ("softcap", "all"):
+        kw["softcap"] = 1.5  # below the typical scaled score: the cap bends most of them
+    if name == "alibi":
+        kw["alibi_slopes"] = rng.uniform(0.05, 0.5, nheads)
+    if name in ("alibi_batch", "all"):
+        kw["alibi_slopes"] = rng.uniform(0.05, 0.5, (batch, nheads))
+    if name in ("sinks", "all"):
+        kw["sinks"] = rng.standard_normal(nheads) + 1.0
+    return kw
+
+
+def _loop_kwargs(kw, batch, nheads):
+    """_loop_attention's arguments for attention_ref keyword arguments."""
+    alibi = kw.get("alibi_slopes")
+    return dict(softcap=kw.get("softcap", 0.0), sinks=kw.get("sinks"),
+                alibi=None if alibi is None else np.broadcast_to(alibi, (batch, nheads)))
+
+
+def _band_kw(band, alignment):
+    causal, window = band
+    return dict(causal=causal, window_size=window, alignment=alignment)
+
+
+@pytest.mark.parametrize("mods", MODS)
+@pytest.mark.parametrize("band", MOD_BANDS[:2] + [(False, (1, 2)), (True, (2, 0))], ids=_band_ids)
+@pytest.mark.parametrize("alignment", ALIGNS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(4, 4), (3, 6), (6, 3)])
+def test_ref_mods_match_loop(mods, band, alignment, seqlen_q, seqlen_k):
+    rng = np.random.default_rng([22, MODS.index(mods), seqlen_q, seqlen_k])
+    q, k, v = _qkv(rng, 2, seqlen_q, seqlen_k, 4, 2, 3)
+    kw = dict(_band_kw(band, alignment), **_mod_kwargs(rng, mods, 2, 4))
+    out, lse = attention_ref(q, k, v, softmax_scale=0.7, **kw)
+    want_out, want_lse = _loop_attention(q, k, v, 0.7, band[0], band[1], alignment, **_loop_kwargs(kw, 2, 4))
+    np.testing.assert_allclose(out, want_out, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(lse, want_lse, rtol=RTOL, atol=ATOL)
+    # Each option moves the result off plain attention.
+    assert np.abs(out - attention_ref(q, k, v, softmax_scale=0.7, **_band_kw(band, alignment))[0]).max() > 1e-3
+
+
+@pytest.mark.parametrize("mods", MODS)
+@pytest.mark.parametrize("band", MOD_BANDS, ids=_band_ids)
+@pytest.mark.parametrize("alignment", ALIGNS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(63, 65), (65, 63), (17, 100), (100, 17), (1, 130)])
+def test_fa2_mods_match_ref(mods, band, alignment, seqlen_q, seqlen_k):
+    index = (23, MODS.index(mods), MOD_BANDS.index(band), ALIGNS.index(alignment), seqlen_q, seqlen_k)
+    rng, batch, nheads, nheads_k, headdim, block_m, block_n = _band_case(*index)
+    q, k, v = _qkv(rng, batch, seqlen_q, seqlen_k, nheads, nheads_k, headdim)
+    dout = rng.standard_normal(q.shape)
+    kw = dict(_band_kw(band, alignment), softmax_scale=0.5, **_mod_kwargs(rng, mods, batch, nheads))
+    out, lse = attention_ref(q, k, v, **kw)
+    got_out, got_lse = fa2_forward_tiled(q, k, v, block_m=block_m, block_n=block_n, **kw)
+    assert not np.isnan(got_out).any() and not np.isnan(got_lse).any()
+    np.testing.assert_allclose(got_out, out, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(got_lse, lse, rtol=RTOL, atol=ATOL)
+    want = attention_bwd_ref(dout, q, k, v, **kw)
+    got = fa2_backward_tiled(dout, q, k, v, out, lse, block_m=block_m, block_n=block_n, **kw)
+    assert len(got) == len(want) == (4 if "sinks" in kw else 3)
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        assert g.shape == w.shape and not np.isnan(g).any(), name
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+@pytest.mark.parametrize("mods", MODS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k,causal,window,alignment", [
+    (4, 4, False, (-1, -1), "bottom_right"),
+    (3, 5, True, (-1, -1), "bottom_right"),
+    (5, 3, True, (-1, -1), "bottom_right"),  # rows 0, 1 see no key
+    (6, 4, False, (2, 1), "bottom_right"),  # row 0 sees no key
+    (5, 6, False, (1, 1), "top_left"),
+    (6, 3, True, (1, -1), "top_left"),
+])
+def test_bwd_ref_mods_finite_differences(mods, seqlen_q, seqlen_k, causal, window, alignment):
+    rng = np.random.default_rng([24, MODS.index(mods), seqlen_q, seqlen_k])
+    q, k, v = _qkv(rng, 2, seqlen_q, seqlen_k, 2, 1, 4)
+    dout = rng.standard_normal(q.shape)
+    kw = dict(softmax_scale=0.8, causal=causal, window_size=window, alignment=alignment,
+              **_mod_kwargs(rng, mods, 2, 2))
+
+    _check_against_finite_differences(dout, q, k, v, kw)
+
+
+def test_softcap_bounds_scores_and_vanishes_when_large():
+    rng = np.random.default_rng(25)
+    q, k, v = _qkv(rng, 2, 30, 40, 4, 2, 16)
+    q *= 10  # scaled scores of tens: far past the caps below
+    dout = rng.standard_normal(q.shape)
+    plain_out, plain_lse = attention_ref(q, k, v)
+    plain_grads = attention_bwd_ref(dout, q, k, v)
+    for fn, extra in ((attention_ref, {}), (fa2_forward_tiled, {"block_m": 16, "block_n": 16})):
+        out, lse = fn(q, k, v, softcap=2.0, **extra)
+        # Every capped score is below softcap, so lse < softcap + log(seqlen_k); the plain one is not.
+        assert lse.max() < 2.0 + math.log(40) < plain_lse.max()
+        assert np.abs(out - plain_out).max() > 1e-2
+        # softcap * tanh(s / softcap) = s - s^3 / (3 softcap^2) + ...: the gap shrinks as 1 / softcap^2.
+        errors = [np.abs(fn(q, k, v, softcap=cap, **extra)[0] - plain_out).max() for cap in (1e2, 1e3, 1e4)]
+        assert errors[0] > 1e-5 and errors[1] < errors[0] / 50 and errors[2] < errors[1] / 50
+    grads = attention_bwd_ref(dout, q, k, v, softcap=1e6)
+    for g, want in zip(grads, plain_grads):
+        np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
+    assert np.abs(attention_bwd_ref(dout, q, k, v, softcap=2.0)[0] - plain_grads[0]).max() > 1e-2
+
+
+@pytest.mark.parametrize("alignment", ALIGNS)
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(6, 9), (9, 6)])
+def test_alibi_zero_is_plain_and_steep_picks_the_diagonal(alignment, seqlen_q, seqlen_k):
+    rng = np.random.default_rng(26)
+    q, k, v = _qkv(rng, 2, seqlen_q, seqlen_k, 4, 2, 8)
+    plain = attention_ref(q, k, v, alignment=alignment)
+    # Batch 0 has zero slopes; batch 1 a steep slope on query heads 1 and 3 (kv heads 0 and 1),
+    # zero on heads 0 and 2.
+    slopes = np.array([[0.0, 0.0, 0.0, 0.0], [0.0, 60.0, 0.0, 60.0]])
+    offset = seqlen_k - seqlen_q if alignment == "bottom_right" else 0
+    # With slope 60 row i all but only sees the key nearest to i + offset.
+    nearest = np.clip(np.arange(seqlen_q) + offset, 0, seqlen_k - 1)
+    for fn, extra in ((attention_ref, {}), (fa2_forward_tiled, {"block_m": 16, "block_n": 16})):
+        out, lse = fn(q, k, v, alignment=alignment, alibi_slopes=slopes, **extra)
+        np.testing.assert_allclose(out[0], plain[0][0], rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(out[1, :, ::2], plain[0][1, :, ::2], rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(out[1, :, 1::2], v[1, nearest], rtol=0, atol=1e-10)
+        zero_out, zero_lse = fn(q, k, v, alignment=alignment, alibi_slopes=np.zeros(4), **extra)
+        np.testing.assert_allclose(zero_out, plain[0], rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(zero_lse, plain[1], rtol=RTOL, atol=ATOL)
+
+
+def test_sinks_scale_plain_attention():
+    # 90 x 20 causal: rows 0..69 see no key, and with 16 x 16 blocks whole q blocks visit no tile.
+    rng = np.random.default_rng(27)
+    q, k, v = _qkv(rng, 2, 90, 20, 4, 2, 16)
+    dout = rng.standard_normal(q.shape)
+    empty = np.arange(90) < 70
+    sinks = np.array([-1.0, 0.0, 0.5, 2.0])
+    plain_out, plain_lse = attention_ref(q, k, v, causal=True)
+    plain_grads = attention_bwd_ref(dout, q, k, v, causal=True)
+    for fn, extra in ((attention_ref, {}), (fa2_forward_tiled, {"block_m": 16, "block_n": 16})):
+        out, lse = fn(q, k, v, causal=True, sinks=sinks, **extra)
+        # The sink only adds exp(sink) to the denominator: lse = logaddexp(lse_plain, sink) and
+        # out = out_plain * exp(lse_plain - lse); rows with no key give out 0, lse = sink.
+        want_lse = np.logaddexp(plain_lse, sinks[None, :, None])
+        np.testing.assert_allclose(lse, want_lse, rtol=RTOL, atol=ATOL)
+        assert np.all(lse[:, :, empty] == sinks[None, :, None])
+        np.testing.assert_allclose(out, plain_out * np.exp(plain_lse - lse).transpose(0, 2, 1)[..., None],
+                                   rtol=RTOL, atol=ATOL)
+        np.testing.assert_array_equal(out[:, empty], 0.0)
+        # A very negative sink is no sink, save for the LSE of rows with no key.
+        out, lse = fn(q, k, v, causal=True, sinks=np.full(4, -1e30), **extra)
+        np.testing.assert_allclose(out, plain_out, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(lse[:, :, ~empty], plain_lse[:, :, ~empty], rtol=RTOL, atol=ATOL)
+        assert np.all(lse[:, :, empty] == -1e30)
+    out, lse = attention_ref(q, k, v, causal=True, sinks=sinks)
+    for grads in (attention_bwd_ref(dout, q, k, v, causal=True, sinks=sinks),
+                  fa2_backward_tiled(dout, q, k, v, out, lse, causal=True, sinks=sinks, block_m=16, block_n=16)):
+        np.testing.assert_array_equal(grads[0][:, empty], 0.0)
+        assert np.abs(grads[1] - plain_grads[1]).max() > 1e-3  # the sink takes probability mass
+        # dsinks[h] = -sum exp(sink - lse) D, with D = rowsum(dout * out).
+        delta = np.sum(dout * out, axis=-1).transpose(0, 2, 1)
+        np.testing.assert_allclose(grads[3], -np.sum(np.exp(sinks[None, :, None] - lse) * delta, axis=(0, 2)),
+                                   rtol=RTOL, atol=ATOL)
+    grads = attention_bwd_ref(dout, q, k, v, causal=True, sinks=np.full(4, -1e30))
+    for g, want in zip(grads, plain_grads):
+        np.testing.assert_allclose(g, want, rtol=RTOL, atol=ATOL)
+    np.testing.assert_array_equal(grads[3], 0.0)
+
+
+def test_sink_above_every_score():
+    # top_left, 300 x 20, steep ALiBi: row i's best score is about -5 (i - 19), so from row ~160 on
+    # exp(sink - row max) overflows float64; the tiled epilogue must rescale to the sink instead.
+    rng = np.random.default_rng(31)
+    q, k, v = _qkv(rng, 1, 300, 20, 2, 1, 8)
+    dout = rng.standard_normal(q.shape)
+    kw = dict(alignment="top_left", alibi_slopes=np.array([5.0, 0.05]), sinks=np.array([0.5, -0.3]))
+    out, lse = attention_ref(q, k, v, **kw)
+    got_out, got_lse = fa2_forward_tiled(q, k, v, block_m=64, block_n=16, **kw)
+    assert np.isfinite(got_out).all() and np.isfinite(got_lse).all()
+    np.testing.assert_allclose(got_out, out, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(got_lse, lse, rtol=RTOL, atol=ATOL)
+    # There the sink takes all the mass: lse is the sink, out all but 0.
+    assert np.all(lse[0, 0, 200:] == 0.5) and np.abs(out[0, 200:, 0]).max() < 1e-300
+    got = fa2_backward_tiled(dout, q, k, v, out, lse, block_m=64, block_n=16, **kw)
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, attention_bwd_ref(dout, q, k, v, **kw)):
+        np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-11, err_msg=name)
+
+
+@pytest.mark.parametrize("name", [n for n in _band_calls() if n != "attention_mask"])
+def test_mods_validation(name):
+    call = _band_calls()[name]  # batch 1, 2 heads
+    for softcap in (-1.0, -1e-9, math.inf, math.nan, None, "1", True):
+        with pytest.raises(ValueError, match="softcap"):
+            call(softcap=softcap)
+    for slopes in (np.zeros(3), np.zeros((2, 2)), np.zeros((1, 3)), np.zeros((2, 1)), np.zeros(())):
+        with pytest.raises(ValueError, match="alibi_slopes"):
+            call(alibi_slopes=slopes)
+    for sinks in (np.zeros(3), np.zeros((1, 2)), np.zeros(()), np.array([0.0, -np.inf]), np.array([np.nan, 0.0])):
+        with pytest.raises(ValueError, match="sinks"):
+            call(sinks=sinks)
+    # Accepted: softcap 0 (off), ints and NumPy scalars, slopes (nheads,) or (batch, nheads), lists.
+    for kw in (dict(softcap=0), dict(softcap=np.float32(2.5)), dict(softcap=3), dict(alibi_slopes=[0.1, 0.2]),
+               dict(alibi_slopes=np.ones((1, 2))), dict(sinks=[0.0, -1.0])):
+        call(**kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Variable-length (packed) batches
+# ----------------------------------------------------------------------------------------------
+
+# Sequence 1 has no query, sequence 2 no key; lengths cross no tile size.
+VARLEN_Q = [5, 0, 17, 3, 40]
+VARLEN_K = [7, 4, 0, 20, 33]
+
+
+def _cu(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("mods", ["none", "all"])
+@pytest.mark.parametrize("band", MOD_BANDS, ids=_band_ids)
+@pytest.mark.parametrize("alignment", ALIGNS)
+def test_varlen_matches_each_sequence(mods, band, alignment):
+    rng = np.random.default_rng([28, MOD_BANDS.index(band)])
+    nheads, nheads_k, headdim, batch = 4, 2, 4, len(VARLEN_Q)
+    cu_q, cu_k = _cu(VARLEN_Q), _cu(VARLEN_K)
+    q = rng.standard_normal((cu_q[-1], nheads, headdim))
+    k, v = (rng.standard_normal((cu_k[-1], nheads_k, headdim)) for _ in range(2))
+    dout = rng.standard_normal(q.shape)
+    kw = dict(_band_kw(band, alignment), softmax_scale=0.6)
+    if mods == "all":
+        kw.update(_mod_kwargs(rng, mods, batch, nheads))
+    out, lse = attention_varlen_ref(q, k, v, cu_q, cu_k, **kw)
+    grads = attention_varlen_bwd_ref(dout, q, k, v, cu_q, cu_k, **kw)
+    assert out.shape == q.shape and lse.shape == (nheads, cu_q[-1])
+    assert len(grads) == (4 if mods == "all" else 3)
+    dsinks = np.zeros(nheads)
+    for b in range(batch):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        # Each sequence alone, as a batch of one with its own lengths (its own offset) and slopes row.
+        seq_kw = dict(kw, alibi_slopes=None if "alibi_slopes" not in kw else kw["alibi_slopes"][b])
+        want_out, want_lse = _loop_attention(q[None, rows], k[None, keys], v[None, keys], 0.6, band[0], band[1],
+                                             alignment, **_loop_kwargs(seq_kw, 1, nheads))
+        np.testing.assert_allclose(out[rows], want_out[0], rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(lse[:, rows], want_lse[0], rtol=RTOL, atol=ATOL)
+        want = attention_bwd_ref(dout[None, rows], q[None, rows], k[None, keys], v[None, keys], **seq_kw)
+        for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+            np.testing.assert_allclose(g[rows if name == "dq" else keys], w[0], rtol=RTOL, atol=ATOL, err_msg=name)
+        if mods == "all":
+            dsinks += want[3]
+    if mods == "all":
+        np.testing.assert_allclose(grads[3], dsinks, rtol=RTOL, atol=ATOL)
+    # The keys of the sequence without queries get no gradient; the queries without keys output 0,
+    # LSE sink (-inf without sinks).
+    assert not np.any(grads[1][cu_k[1]:cu_k[2]]) and not np.any(grads[2][cu_k[1]:cu_k[2]])
+    assert not np.any(out[cu_q[2]:cu_q[3]])
+    empty_lse = kw["sinks"][:, None] if mods == "all" else -np.inf
+    assert np.all(lse[:, cu_q[2]:cu_q[3]] == empty_lse)
+
+
+def test_varlen_equal_lengths_is_the_padded_batch():
+    rng = np.random.default_rng(29)
+    batch, seqlen_q, seqlen_k, nheads = 3, 19, 11, 4
+    q, k, v = _qkv(rng, batch, seqlen_q, seqlen_k, nheads, 2, 8)
+    dout = rng.standard_normal(q.shape)
+    kw = dict(causal=True, window_size=(6, 0), softcap=2.0, alibi_slopes=rng.uniform(0.1, 1, (batch, nheads)),
+              sinks=rng.standard_normal(nheads))
+    out, lse = attention_ref(q, k, v, **kw)
+    grads = attention_bwd_ref(dout, q, k, v, **kw)
+    cu_q, cu_k = _cu([seqlen_q] * batch), _cu([seqlen_k] * batch)
+    packed = [x.reshape(-1, *x.shape[2:]) for x in (dout, q, k, v)]
+    got_out, got_lse = attention_varlen_ref(*packed[1:], cu_q, cu_k, **kw)
+    np.testing.assert_allclose(got_out, out.reshape(-1, nheads, 8), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(got_lse, lse.transpose(1, 0, 2).reshape(nheads, -1), rtol=RTOL, atol=ATOL)
+    got = attention_varlen_bwd_ref(*packed, cu_q, cu_k, **kw)
+    for name, g, w in zip(("dq", "dk", "dv"), got, grads):
+        np.testing.assert_allclose(g, w.reshape(g.shape), rtol=RTOL, atol=ATOL, err_msg=name)
+    np.testing.assert_allclose(got[3], grads[3], rtol=RTOL, atol=ATOL)
+
+
+def test_varlen_validation():
+    rng = np.random.default_rng(30)
+    q, k, v = (rng.standard_normal((n, 2, 4)) for n in (8, 6, 6))
+    dout = rng.standard_normal(q.shape)
+    good_q, good_k = np.array([0, 3, 8], np.int32), np.array([0, 6, 6], np.int32)
+    bad = [np.array([1, 3, 8]), np.array([0, 5, 3, 8]), np.array([0, 3, 7]), np.array([0, 3, 9]),
+           np.array([0.0, 3.0, 8.0]), np.array([[0, 3, 8]]), np.array([0]), np.array([0, 8], bool)]
+    for fn in (lambda cq, ck, **kw: attention_varlen_ref(q, k, v, cq, ck, **kw),
+               lambda cq, ck, **kw: attention_varlen_bwd_ref(dout, q, k, v, cq, ck, **kw)):
+        fn(good_q, good_k)
+        for cu in bad:
+            with pytest.raises(ValueError, match="cu_seqlens_q"):
+                fn(cu, good_k)
+        with pytest.raises(ValueError, match="cu_seqlens_k"):
+            fn(good_q, np.array([0, 6, 5], np.int32))
+        with pytest.raises(ValueError, match="cu_seqlens"):
+            fn(good_q, np.array([0, 6], np.int32))  # 2 sequences of q, 1 of k
+        with pytest.raises(ValueError, match="alibi_slopes"):
+            fn(good_q, good_k, alibi_slopes=np.zeros((3, 2)))  # batch is 2
+        with pytest.raises(ValueError, match="sinks"):
+            fn(good_q, good_k, sinks=np.zeros(3))
+    with pytest.raises(ValueError, match="3-D"):
+        attention_varlen_ref(q[None], k, v, good_q, good_k)
 
 
 # ----------------------------------------------------------------------------------------------
