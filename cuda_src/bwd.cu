@@ -513,8 +513,8 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
         }
     }
     __syncthreads();
-    store_tile<kBlockN, kHeadDim, T::kThreads>(dk + batch * dk_batch_stride + head * dk_head_stride + key0 * dk_row_stride,
+    store_tile<kBlockN, kHeadDim, T::kThreads>(dk + batch * dk_batch_stride + head * dk_head_stride + k_row * dk_row_stride,
                                                dk_row_stride, sK, keys_valid, tid);
-    store_tile<kBlockN, kHeadDim, T::kThreads>(dv + batch * dv_batch_stride + head * dv_head_stride + key0 * dv_row_stride,
+    store_tile<kBlockN, kHeadDim, T::kThreads>(dv + batch * dv_batch_stride + head * dv_head_stride + k_row * dv_row_stride,
                                                dv_row_stride, sV, keys_valid, tid);
 }

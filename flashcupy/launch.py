@@ -50,16 +50,16 @@ def plan_band(causal: bool, window_size, alignment: str, seqlen_q: int, seqlen_k
     left, right = (int(w) for w in window_size)
     if causal:
         right = 0
+    bottom_right = alignment == "bottom_right"  # also ALiBi's offset, whatever the mask
     if left < 0 and right < 0:
-        return Band("none")
-    if causal and left < 0 and alignment == "bottom_right":
+        return Band("none", bottom_right)
+    if causal and left < 0 and bottom_right:
         return Band("causal")
     unbounded = seqlen_q + seqlen_k + 256  # past every row's keys, even counted from a block's last row
     if unbounded >= 2**30:
         raise ValueError(f"seqlen_q + seqlen_k = {seqlen_q + seqlen_k} is too large for the kernels' 32-bit "
                          "row arithmetic")
-    return Band("local", alignment == "bottom_right", left if left >= 0 else unbounded,
-                right if right >= 0 else unbounded)
+    return Band("local", bottom_right, left if left >= 0 else unbounded, right if right >= 0 else unbounded)
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,8 @@ def test_planner_rejects_grid_overflow():
 
 def test_band_parameters():
     assert launch.plan_band(False, (-1, -1), "bottom_right", 100, 300).mask == "none"
-    assert launch.plan_band(False, (-1, -1), "top_left", 100, 300).mask == "none"
+    top_left_none = launch.plan_band(False, (-1, -1), "top_left", 100, 300)
+    assert (top_left_none.mask, top_left_none.bottom_right) == ("none", False)  # ALiBi reads the alignment
     assert launch.plan_band(True, (-1, -1), "bottom_right", 100, 300).mask == "causal"
     top_left = launch.plan_band(True, (-1, -1), "top_left", 100, 300)
     assert (top_left.mask, top_left.bottom_right, top_left.right, top_left.left) == ("local", False, 0, 400 + 256)

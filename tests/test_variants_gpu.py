@@ -36,12 +36,13 @@ def _check_lse(lse, ref_lse):
 
 
 def _check_grads(grads, refs, dtype_name, label):
-    """dq, dk, dv by relative error; dsinks (float32 sums) to 1e-3 of their size."""
+    """dq, dk, dv by relative error; dsinks against their largest entry (they sum D = rowsum(dO * O)
+    over O rounded to the dtype, as every backward does)."""
     for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, refs):
         gh = to_host64(g)
         assert not np.isnan(gh).any(), (label, name)
         if name == "dsinks":
-            assert np.abs(gh - r).max() <= 1e-3 * max(1.0, np.abs(r).max()), (label, gh, r)
+            assert np.abs(gh - r).max() <= GRAD_TOL[dtype_name] * np.abs(r).max(), (label, gh, r)
         else:
             err = grad_rel_err(gh, r, refs[2])
             assert err < GRAD_TOL[dtype_name], (label, name, err)
