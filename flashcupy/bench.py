@@ -220,13 +220,15 @@ def make_inputs(shape: BenchShape, seed: int = 0):
 
     rng = cupy.random.default_rng(seed)
     dtype = numpy_dtype(shape.dtype)
-
-    def normal(nheads):
-        dims = (shape.batch, shape.seqlen, nheads, shape.head_dim)
-        return rng.standard_normal(dims, dtype=cupy.float32).astype(dtype)
-
-    q, k, v = normal(shape.nheads), normal(shape.nheads_k), normal(shape.nheads_k)
-    return q, k, v, (normal(shape.nheads) if shape.mode != "fwd" else None)
+    heads = [shape.nheads, shape.nheads_k, shape.nheads_k] + ([shape.nheads] if shape.mode != "fwd" else [])
+    # Every input first, then the float32 draws one after another: the draws then share memory
+    # segments with nothing that stays, so the pool can hand them all back before a measurement
+    # (a call's output placed in a half-used segment would not show as growth).
+    arrays = [cupy.empty((shape.batch, shape.seqlen, h, shape.head_dim), dtype=dtype) for h in heads]
+    for a in arrays:
+        a[...] = rng.standard_normal(a.shape, dtype=cupy.float32)
+    q, k, v = arrays[:3]
+    return q, k, v, (arrays[3] if len(arrays) > 3 else None)
 
 
 def numpy_dtype(name: str) -> np.dtype:
