@@ -150,6 +150,46 @@ flash_bwd_group_sum_kernel(const u16* __restrict__ per_head,  // (rows, nheads_k
 }
 
 // ---- main kernel ------------------------------------------------------------------------------
+// P^T = exp2(S^T c - LSE log2 e) and dS^T = P^T (dP^T - D), in place of S^T and dP^T. Element (nt, e)
+// of a thread is key `key + 8 (e / 2)` and query `row + 8 nt + (e % 2)`. A row that saw no key has
+// LSE -inf: using +inf there makes P 0 instead of NaN. With score mods each raw score first goes to
+// natural units (c = log2 e; masked ones stay -inf) and dS^T takes the softcap's derivative.
+template <int kQTiles, bool Has_score_mod>
+struct ProbsAndGrads {
+    float (&s)[kQTiles][4];
+    float (&dp)[kQTiles][4];
+    const float* lse;    // LSE_i and D_i of this stage in shared memory, from this thread's first query
+    const float* delta;
+    const ScoreMod& mod;
+    float score_log2;
+    int row, key;        // this thread's first query and key
+
+    template <bool kSoftcap, bool kAlibi>
+    FC_DEVICE void run() {
+        constexpr float kLog2e = 1.4426950408889634f;
+#pragma unroll
+        for (int nt = 0; nt < kQTiles; ++nt) {
+            const float2 lse_pair = *reinterpret_cast<const float2*>(lse + 8 * nt);
+            const float2 d_pair = *reinterpret_cast<const float2*>(delta + 8 * nt);
+#pragma unroll
+            for (int e1 = 0; e1 < 2; ++e1) {
+                const float lse_row = e1 ? lse_pair.y : lse_pair.x;
+                const float lse2 = lse_row == -FC_INF ? FC_INF : lse_row * kLog2e;
+                const float d_row = e1 ? d_pair.y : d_pair.x;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int e = 2 * h + e1;
+                    float x = s[nt][e], dcap = 1.f;
+                    if (Has_score_mod && x != -FC_INF) x = mod.apply<kSoftcap, kAlibi>(x, row + 8 * nt + e1, key + 8 * h, dcap);
+                    const float p = fast_exp2(x * score_log2 - lse2);
+                    s[nt][e] = p;
+                    dp[nt][e] = Has_score_mod ? p * (dp[nt][e] - d_row) * dcap : p * (dp[nt][e] - d_row);
+                }
+            }
+        }
+    }
+};
+
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_>
 struct BwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kNWarps = kNWarps_;
@@ -347,15 +387,8 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
             }
         }
 
-        // Element (nt, e) of this thread is key key0 + 16 kg + g + 8 (e / 2) and query row0 + 8 nt + 2 t + (e % 2).
-        if (Has_score_mod) {
-#pragma unroll
-            for (int nt = 0; nt < T::kQTiles; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    acc_s[nt][e] = mod(acc_s[nt][e], row0 + 8 * nt + 2 * t + (e & 1), key0 + 16 * kg + g + 8 * (e >> 1));
-        }
-        // Mask only blocks that straddle seqlen_k, seqlen_q or the diagonal.
+        // Mask only blocks that straddle seqlen_k, seqlen_q or the diagonal. Element (nt, e) of this
+        // thread is key key0 + 16 kg + g + 8 (e / 2) and query row0 + 8 nt + 2 t + (e % 2).
         const bool needs_mask = key0 + kBlockN > seqlen_k || row0 + kBlockM > seqlen_q ||
                                 (Is_causal && key0 + kBlockN - 1 > row0 + seqlen_k - seqlen_q) ||
                                 (Is_local && (key0 + kBlockN - 1 > row0 + band_offset + window_right ||
@@ -374,33 +407,12 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
                     if (masked) acc_s[nt][e] = -FC_INF;
                 }
         }
-        // P^T = exp2(S^T c - LSE log2 e); dS^T = P^T (dP^T - D). A row that saw no key has LSE -inf:
-        // using +inf there makes P 0 instead of NaN. With score mods S^T is in natural units (c =
-        // log2 e) and dS^T takes the softcap's derivative.
-        const float score_log2 = Has_score_mod ? kLog2e : scale_log2;
-#pragma unroll
-        for (int nt = 0; nt < T::kQTiles; ++nt) {
-            const float2 lse_pair = *reinterpret_cast<const float2*>(sLse_s + 8 * nt + 2 * t);
-            const float2 d_pair = *reinterpret_cast<const float2*>(sDelta_s + 8 * nt + 2 * t);
-#pragma unroll
-            for (int e1 = 0; e1 < 2; ++e1) {
-                const float lse_row = e1 ? lse_pair.y : lse_pair.x;
-                const float lse2 = lse_row == -FC_INF ? FC_INF : lse_row * kLog2e;
-                const float d_row = e1 ? d_pair.y : d_pair.x;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int e = 2 * h + e1;
-                    const float p = fast_exp2(acc_s[nt][e] * score_log2 - lse2);
-                    float ds = p * (acc_dp[nt][e] - d_row);
-                    if (Has_score_mod) {
-                        const int row = row0 + 8 * nt + 2 * t + e1, key = key0 + 16 * kg + g + 8 * h;
-                        ds *= mod.dcapped(acc_s[nt][e] - mod.bias(row, key));
-                    }
-                    acc_s[nt][e] = p;
-                    acc_dp[nt][e] = ds;
-                }
-            }
-        }
+        // P^T and dS^T in place of S^T and dP^T (ProbsAndGrads above).
+        ProbsAndGrads<T::kQTiles, Has_score_mod> probs{acc_s, acc_dp, sLse_s + 2 * t, sDelta_s + 2 * t, mod,
+                                                       Has_score_mod ? kLog2e : scale_log2, row0 + 2 * t,
+                                                       key0 + 16 * kg + g};
+        if (Has_score_mod) mod.dispatch(probs);
+        else probs.template run<false, false>();
 
         // dV_j += P^T dO_i and dK_j += dS^T Q_i over this warp's head-dim part; k runs over queries.
 #pragma unroll

@@ -8,6 +8,8 @@
 // run-time values (softcap 0 and slope 0 turn them off); the instances without score mods keep
 // the raw scores and fold softmax_scale into the exponent, one FFMA per score.
 #pragma once
+
+
 #include "ptx.cuh"
 
 FC_DEVICE float tanh_approx(float x) {  // sm75+ MUFU.TANH, max relative error about 2^-11
@@ -28,30 +30,63 @@ struct ScoreMod {
         : scale(softmax_scale), softcap(softcap_), inv_softcap(softcap_ > 0.f ? softmax_scale / softcap_ : 0.f),
           slope(alibi_slopes ? alibi_slopes[batch * alibi_batch_stride + head] : 0.f), offset(offset_) {}
 
-    // Softcapped score (natural units, before ALiBi) of raw score x.
-    FC_DEVICE float capped(float x) const { return softcap > 0.f ? softcap * tanh_approx(x * inv_softcap) : x * scale; }
-    FC_DEVICE float bias(int row, int key) const { return -slope * fabsf(float(row + offset - key)); }
-    FC_DEVICE float operator()(float x, int row, int key) const { return capped(x) + bias(row, key); }
-    // d(capped) / d(scale * x) at a score whose capped value is c: 1 - tanh^2. Clamped, so that a
-    // masked score (-inf) gives 0, not NaN.
-    FC_DEVICE float dcapped(float c) const {
-        if (softcap <= 0.f) return 1.f;
-        const float t = fminf(fmaxf(c / softcap, -1.f), 1.f);
-        return 1.f - t * t;
+    // Runs op.run<softcap on, ALiBi on>(): the per-score code is compiled once per combination, so
+    // the run-time choice costs one uniform branch per tile, not work per score.
+    template <class Op>
+    FC_DEVICE void dispatch(Op& op) const {
+        if (softcap > 0.f) {
+            if (slope != 0.f) op.template run<true, true>();
+            else op.template run<true, false>();
+        } else if (slope != 0.f) {
+            op.template run<false, true>();
+        } else {
+            op.template run<false, false>();
+        }
+    }
+
+    // Natural-unit score of raw score x at (row, key); dcap gets d(score) / d(scale * x), the
+    // softcap's 1 - tanh^2 (1 without it), which the backward multiplies into dS. The template
+    // flags say which options may be on (dispatch), the values still decide.
+    template <bool kSoftcap, bool kAlibi>
+    FC_DEVICE float apply(float x, int row, int key, float& dcap) const {
+        float s = x * scale;
+        dcap = 1.f;
+        if (kSoftcap && softcap > 0.f) {
+            const float t = tanh_approx(x * inv_softcap);
+            s = softcap * t;
+            dcap = 1.f - t * t;
+        }
+        if (kAlibi && slope != 0.f) s -= slope * fabsf(float(row + offset - key));
+        return s;
     }
 };
 
-// The forward's S tile: s[mt][nt][e] is row row_base + 16 mt + g + 8 (e / 2), key key_base + 8 nt +
-// 2 t + (e % 2), lane = 4 g + t (mask.cuh's layout).
+// The forward's S tile to natural units: s[mt][nt][e] is row row_base + 16 mt + g + 8 (e / 2), key
+// key_base + 8 nt + 2 t + (e % 2), lane = 4 g + t (mask.cuh's layout).
+template <int kMTiles, int kNTiles>
+struct FwdScoreModOp {
+    const ScoreMod& mod;
+    float (&s)[kMTiles][kNTiles][4];
+    int row_base, key_base, g, t;
+
+    template <bool kSoftcap, bool kAlibi>
+    FC_DEVICE void run() {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float unused;
+                    s[mt][nt][e] = mod.apply<kSoftcap, kAlibi>(s[mt][nt][e], row_base + 16 * mt + g + 8 * (e >> 1),
+                                                               key_base + 8 * nt + 2 * t + (e & 1), unused);
+                }
+    }
+};
+
 template <int kMTiles, int kNTiles>
 FC_DEVICE void apply_score_mod(const ScoreMod& mod, float (&s)[kMTiles][kNTiles][4], int row_base, int key_base,
                                int lane) {
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                s[mt][nt][e] = mod(s[mt][nt][e], row_base + 16 * mt + g + 8 * (e >> 1), key_base + 8 * nt + 2 * t + (e & 1));
+    FwdScoreModOp<kMTiles, kNTiles> op{mod, s, row_base, key_base, lane >> 2, lane & 3};
+    mod.dispatch(op);
 }
