@@ -37,6 +37,7 @@
 #include "ptx.cuh"
 #include "tile.cuh"
 #include "grid.cuh"
+#include "mask.cuh"
 #include "seqlens.cuh"
 #include "score_mod.cuh"
 
@@ -272,25 +273,17 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
     const SeqLens seq(cu_seqlens_q, cu_seqlens_k, batch, max_seqlen_q, max_seqlen_k);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
     if (n_block * kBlockN >= seqlen_k) return;  // varlen: past this sequence's end
-    const int num_m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
     const int band_offset = align_bottom_right ? seqlen_k - seqlen_q : 0;
+    const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, window_left, window_right};
     const ScoreMod mod(softmax_scale, softcap, alibi_slopes, alibi_batch_stride, batch, head, band_offset);
     const int kv_head = head / heads_per_kv_head;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int key0 = n_block * kBlockN;
     const int keys_valid = min(kBlockN, seqlen_k - key0);
-    // First q block holding a row that sees key0 (row key0 + seqlen_q - seqlen_k); C++ division
-    // truncates toward zero, and max() covers a negative row.
-    // Is_local (mask.cuh's band, row i sees keys [i + offset - left, i + offset + right]): from the
-    // block of row key0 - offset - right to the block of row key_last - offset + left.
-    const int band_row_first = key0 - band_offset - window_right;
-    const int band_row_last = key0 + kBlockN - 1 - band_offset + window_left;
-    const int m_block_min = Is_local    ? max(0, band_row_first / kBlockM)
-                            : Is_causal ? max(0, (key0 + seqlen_q - seqlen_k) / kBlockM)
-                                        : 0;
-    const int m_block_max =
-        Is_local ? (band_row_last < 0 ? 0 : min(num_m_blocks, band_row_last / kBlockM + 1)) : num_m_blocks;
+    // The q blocks holding a row that sees a key of this block (causal / local: the others are skipped).
+    const int m_block_min = mask.row_begin(key0) / kBlockM;
+    const int m_block_max = (mask.row_end(key0) + kBlockM - 1) / kBlockM;
 
     const i64 q_start = seq.q_start, k_row = i64(seq.k_start) + key0;
     const u16* gQ = q + batch * q_batch_stride + head * q_head_stride + q_start * q_row_stride;
@@ -323,7 +316,7 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
         }
     };
 
-    const int m_count = Is_local ? max(0, m_block_max - m_block_min) : m_block_max - m_block_min;
+    const int m_count = max(0, m_block_max - m_block_min);
     k_loader.load(sK_base, gK, keys_valid);
     v_loader.load(sV_base, gV, keys_valid);
     if (m_count > 0) load_q_block(m_block_min, 0);
@@ -389,22 +382,14 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
 
         // Mask only blocks that straddle seqlen_k, seqlen_q or the diagonal. Element (nt, e) of this
         // thread is key key0 + 16 kg + g + 8 (e / 2) and query row0 + 8 nt + 2 t + (e % 2).
-        const bool needs_mask = key0 + kBlockN > seqlen_k || row0 + kBlockM > seqlen_q ||
-                                (Is_causal && key0 + kBlockN - 1 > row0 + seqlen_k - seqlen_q) ||
-                                (Is_local && (key0 + kBlockN - 1 > row0 + band_offset + window_right ||
-                                              key0 < row0 + kBlockM - 1 + band_offset - window_left));
-        if (needs_mask) {
+        if (row0 + kBlockM > seqlen_q || mask.tile_needs_mask(row0, n_block)) {
 #pragma unroll
             for (int nt = 0; nt < T::kQTiles; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = key0 + 16 * kg + g + 8 * (e >> 1);
                     const int row = row0 + 8 * nt + 2 * t + (e & 1);
-                    const bool masked = key >= seqlen_k || row >= seqlen_q ||
-                                        (Is_causal && key > row + seqlen_k - seqlen_q) ||
-                                        (Is_local && (key > row + band_offset + window_right ||
-                                                      key < row + band_offset - window_left));
-                    if (masked) acc_s[nt][e] = -FC_INF;
+                    if (row >= seqlen_q || mask.hidden(row, key)) acc_s[nt][e] = -FC_INF;
                 }
         }
         // P^T and dS^T in place of S^T and dP^T (ProbsAndGrads above).
@@ -469,7 +454,7 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
         // Deterministic: add in key-block order. The key blocks that reach q block i are a
         // contiguous range, from 0 or (Is_local) from the one holding key row0 + offset - left;
         // the semaphore counts the ones that have added, so block j waits for j - n_first.
-        const int n_rank = n_block - (Is_local ? max(0, row0 + band_offset - window_left) / kBlockN : 0);
+        const int n_rank = n_block - mask.key_begin(row0) / kBlockN;
         if (Is_deterministic) {
             if (tid == 0)
                 while (ld_acquire(sem) != n_rank) asm volatile("nanosleep.u32 64;\n");

@@ -16,12 +16,34 @@ struct Mask {
     int seqlen_q, seqlen_k;
     int offset, left, right;  // Is_local only
 
-    // Keys that some row of the q block at row0 may see lie in [key_begin, key_end).
+    // Keys that some row of the q block at row0 may see lie in [key_begin, key_end) (forward).
     FC_DEVICE int key_begin(int row0) const { return Is_local ? max(0, row0 + offset - left) : 0; }
     FC_DEVICE int key_end(int row0) const {
         if (Is_local) return min(seqlen_k, row0 + kBlockM + offset + right);
         if (Is_causal) return min(seqlen_k, row0 + kBlockM + seqlen_k - seqlen_q);
         return seqlen_k;
+    }
+
+    // Rows that may see some key of the key block at key0 lie in [row_begin, row_end) (backward).
+    FC_DEVICE int row_begin(int key0) const {
+        if (Is_local) return max(0, key0 - offset - right);
+        if (Is_causal) return max(0, key0 + seqlen_q - seqlen_k);
+        return 0;
+    }
+    FC_DEVICE int row_end(int key0) const {
+        if (Is_local) return max(0, min(seqlen_q, key0 + kBlockN - offset + left));
+        return seqlen_q;
+    }
+
+    // Row `row` sees keys [row_first_key(row), row_key_limit(row)); the first bound is Is_local's only.
+    FC_DEVICE int row_key_limit(int row) const {
+        if (Is_local) return min(seqlen_k, row + 1 + offset + right);
+        if (Is_causal) return min(seqlen_k, row + 1 + seqlen_k - seqlen_q);
+        return seqlen_k;
+    }
+    FC_DEVICE int row_first_key(int row) const { return row + offset - left; }
+    FC_DEVICE bool hidden(int row, int key) const {
+        return key >= row_key_limit(row) || (Is_local && key < row_first_key(row));
     }
 
     // Does n block `n_block` hold a key that some row of q block `row0` must not see?
@@ -42,10 +64,7 @@ struct Mask {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = row_base + 16 * mt + g + 8 * h;
-                const int limit = Is_local    ? min(seqlen_k, row + 1 + offset + right)
-                                  : Is_causal ? min(seqlen_k, row + 1 + seqlen_k - seqlen_q)
-                                              : seqlen_k;
-                const int first = row + offset - left;  // Is_local only
+                const int limit = row_key_limit(row), first = row_first_key(row);
 #pragma unroll
                 for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
