@@ -237,7 +237,7 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
                  float* __restrict__ dq_accum,     // (batch, seqlen_q, nheads, headdim) or (total_q, ...), zeroed
                  u16* __restrict__ dk,          // (batch, seqlen_k, nheads, headdim): one slice per q head
                  u16* __restrict__ dv,          // (batch, seqlen_k, nheads, headdim)
-                 int* __restrict__ dq_semaphore,   // (batch, nheads, q blocks), zeroed; deterministic only
+                 int* __restrict__ dq_semaphore,   // (batch, nheads, q blocks), zeroed; deterministic only (else null)
                  const int* __restrict__ cu_seqlens_q,  // varlen: (batch + 1), seqlens.cuh; padded: null
                  const int* __restrict__ cu_seqlens_k,
                  const int max_seqlen_q, const int max_seqlen_k, const int nheads, const int heads_per_kv_head,

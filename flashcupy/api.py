@@ -290,11 +290,10 @@ def _backward(problem: _Problem, dout, q, k, v, out, softmax_lse, deterministic,
         dq = grads["dq"] if "dq" in grads else cupy.empty(q.shape, q.dtype)
         dk = grads["dk"] if "dk" in grads else cupy.empty(k.shape, k.dtype)
         dv = grads["dv"] if "dv" in grads else cupy.empty(v.shape, v.dtype)
-        dsinks = None if p.sinks is None else cupy.zeros(p.nheads, cupy.float32)
         if dq.size == 0 or dk.size == 0:  # no query or no key: every gradient is zero
             for g in (dq, dk, dv):
                 g.fill(0)
-            return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
+            return (dq, dk, dv) if p.sinks is None else (dq, dk, dv, cupy.zeros(p.nheads, cupy.float32))
         for name, a in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk),
                         ("dv", dv)):
             check_pointer_alignment(name, a.data.ptr)
@@ -302,11 +301,12 @@ def _backward(problem: _Problem, dout, q, k, v, out, softmax_lse, deterministic,
         dtype = dtype_name(q.dtype)
         variant = configs.bwd_variant(p.head_dim, dtype, p.band.mask, deterministic, info.capability,
                                       info.smem_per_block_optin, p.score_mod)
+        # The row-wise kernels (preprocess, dQ convert, GQA sum) take rows as (batch, seqlen); a packed
+        # varlen batch is one sequence of all its rows.
+        (rows_batch, rows_seqlen), (k_batch, k_seqlen) = (
+            ((1, q.shape[0]), (1, k.shape[0])) if p.is_varlen else ((p.batch, p.max_seqlen_q), (p.batch, p.max_seqlen_k)))
         plans = launch.plan_backward(variant, p.batch, p.nheads, p.max_seqlen_q, p.max_seqlen_k, p.nheads_k,
-                                     rows_q=q.shape[0] * (1 if p.is_varlen else p.max_seqlen_q),
-                                     rows_k=k.shape[0] * (1 if p.is_varlen else p.max_seqlen_k))
-        # The row-wise helpers see the packed rows of a varlen batch as one sequence.
-        rows_batch, rows_seqlen = (1, q.shape[0]) if p.is_varlen else (p.batch, p.max_seqlen_q)
+                                     rows_q=rows_batch * rows_seqlen, rows_k=k_batch * k_seqlen)
 
         # 1. D = rowsum(dO * O), laid out as the LSE, and the float32 dQ accumulator zeroed
         delta = cupy.empty(softmax_lse.shape, cupy.float32)
@@ -317,13 +317,13 @@ def _backward(problem: _Problem, dout, q, k, v, out, softmax_lse, deterministic,
                                np.int32(rows_batch), *_row_strides(dout, out)))
         # 2. dK, dV per key block; dQ added into the accumulator. Under GQA each query head writes
         # its own dK, dV slice, summed over the group afterwards.
-        semaphore = cupy.zeros(plans.semaphores if deterministic else 1, cupy.int32)
+        semaphore = cupy.zeros(plans.semaphores, cupy.int32) if deterministic else None
         grouped = p.nheads != p.nheads_k
         per_head_shape = (*k.shape[:-2], p.nheads, p.head_dim)
         dk_heads = cupy.empty(per_head_shape, q.dtype) if grouped else dk
         dv_heads = cupy.empty(per_head_shape, q.dtype) if grouped else dv
         build.get_kernel(variant)(plans.main.grid, plans.main.block,
-                                  (q, k, v, dout, softmax_lse, delta, dq_accum, dk_heads, dv_heads, semaphore,
+                                  (q, k, v, dout, softmax_lse, delta, dq_accum, dk_heads, dv_heads, _pointer(semaphore),
                                    *p.sequence_args(), *_row_strides(q, k, v, dout, dk_heads, dv_heads),
                                    *p.lse_strides(softmax_lse), *p.mask_and_mod_args(), *p.scale_args()),
                                   shared_mem=plans.main.smem_bytes)
@@ -334,18 +334,17 @@ def _backward(problem: _Problem, dout, q, k, v, out, softmax_lse, deterministic,
                                 *_row_strides(dq), np.float32(p.scale)))
         if grouped:  # 4. dK, dV of each kv head: the sum over its query heads, in one pass
             group_sum = build.get_kernel(configs.BwdHelperVariant("flash_bwd_group_sum_kernel", p.head_dim, dtype))
-            rows, seqlen = (k.shape[0], k.shape[0]) if p.is_varlen else (p.batch * p.max_seqlen_k, p.max_seqlen_k)
             for g_heads, g in ((dk_heads, dk), (dv_heads, dv)):
                 group_sum(plans.group_sum.grid, plans.group_sum.block,
-                          (g_heads, g, np.int64(rows), np.int32(seqlen), np.int32(p.nheads_k),
+                          (g_heads, g, np.int64(k_batch * k_seqlen), np.int32(k_seqlen), np.int32(p.nheads_k),
                            np.int32(p.nheads // p.nheads_k), *_row_strides(g)))
-        if dsinks is not None:
-            # d loss / d sink_h = -sum over rows of exp(sink_h - LSE) * D: the sink's share of each
-            # row's denominator times the row's dO . O
-            lse3, delta3 = (a if a.ndim == 3 else a[None] for a in (softmax_lse, delta))
-            share = cupy.exp(p.sinks[None, :, None] - lse3)
-            dsinks[...] = -(share * delta3).sum(axis=(0, 2))
-    return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
+        if p.sinks is None:
+            return dq, dk, dv
+        # d loss / d sink_h = -sum over rows of exp(sink_h - LSE) * D: the sink's share of each
+        # row's denominator times the row's dO . O
+        lse3, delta3 = (a if a.ndim == 3 else a[None] for a in (softmax_lse, delta))
+        dsinks = -(cupy.exp(p.sinks[None, :, None] - lse3) * delta3).sum(axis=(0, 2))
+    return dq, dk, dv, dsinks
 
 
 class FlashAttention:

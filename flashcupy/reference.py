@@ -51,6 +51,8 @@ import math
 
 import numpy as np
 
+from .validation import ALIGNMENTS
+
 LOG2E = math.log2(math.e)
 
 
@@ -81,9 +83,6 @@ def _check_qkv(q, k, v):
 
 def _scale(softmax_scale, headdim: int) -> float:
     return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
-
-
-ALIGNMENTS = ("bottom_right", "top_left")
 
 
 class _Band:
@@ -377,14 +376,10 @@ def attention_varlen_bwd_ref(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     dsinks = np.zeros(q.shape[1])
     for rows, kv_rows, options in sequences:
-        dq_b, dk_b, dv_b, *dsinks_b = attention_bwd_ref(dout[None, rows], q[None, rows], k[None, kv_rows],
-                                                        v[None, kv_rows], **options)
-        dq[rows], dk[kv_rows], dv[kv_rows] = dq_b[0], dk_b[0], dv_b[0]
-        if dsinks_b:
-            dsinks += dsinks_b[0]
-    if kw.get("sinks") is None:
-        return dq, dk, dv
-    return dq, dk, dv, dsinks
+        grads = attention_bwd_ref(dout[None, rows], q[None, rows], k[None, kv_rows], v[None, kv_rows], **options)
+        dq[rows], dk[kv_rows], dv[kv_rows] = grads[0][0], grads[1][0], grads[2][0]
+        dsinks += grads[3] if len(grads) == 4 else 0.0
+    return (dq, dk, dv) if kw.get("sinks") is None else (dq, dk, dv, dsinks)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ def test_variant_compiles(compile_results, case):
     assert compile_results[case] is None, compile_results[case]
 
 
-def test_compile_error_names_variant_and_shows_log(monkeypatch):
+def test_compile_error_names_variant_and_shows_log():
     bad = configs.FwdVariant(48, configs.FwdTile(64, 64, 4), "none", "float16")  # violates static_assert
     with pytest.raises(build.KernelCompileError) as info:
         build.compile_cubin(bad, "sm_80")

@@ -9,12 +9,12 @@ import sys
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 import cli
 from flashcupy import bench, device
 from flashcupy.device import NoGPUError
-from cli_helpers import FAKE_GPU, invoke, on_gpu
+from cli_helpers import invoke, on_gpu
+from gpu_helpers import rel_err
 
 
 
@@ -59,7 +59,7 @@ def test_bench_help_lists_options():
 
 
 def test_main_is_the_console_entry():
-    result = CliRunner().invoke(cli.main, ["--version"])
+    result = invoke("--version")
     assert result.exit_code == 0 and "flashcupy" in result.output
 
 
@@ -232,9 +232,7 @@ def test_flashcupy_step_times_what_the_mode_names(monkeypatch, mode, at_setup, p
             bench._make_step("naive", shape, (None,) * 4)
 
 
-def test_bench_default_modes(monkeypatch):
-    monkeypatch.setattr(device, "gpu_available", lambda: True)
-    monkeypatch.setattr(device, "device_info", lambda device_id=None: FAKE_GPU)
+def test_bench_default_modes(monkeypatch, fake_gpu):
     monkeypatch.setattr(bench, "collect_metadata", lambda: dict(FAKE_METADATA))
     seen = []
     monkeypatch.setattr(bench, "bench_shape", lambda shape, impls, repeats, warmup: seen.append(shape) or [])
@@ -313,10 +311,8 @@ def test_plot_without_matplotlib(monkeypatch, tmp_path):
         bench.plot_results(fabricated_records(), tmp_path / "x.png")
 
 
-def test_bench_command_glue(monkeypatch, tmp_path):
+def test_bench_command_glue(monkeypatch, tmp_path, fake_gpu):
     """The CLI's sweep with the GPU parts faked: torch note, table, JSON and plot."""
-    monkeypatch.setattr(device, "gpu_available", lambda: True)
-    monkeypatch.setattr(device, "device_info", lambda device_id=None: FAKE_GPU)
     monkeypatch.setattr(bench, "collect_metadata", lambda: dict(FAKE_METADATA))
     monkeypatch.setattr(bench, "torch_unavailable_reason", lambda: "torch is not importable")
     seen = []
@@ -372,6 +368,7 @@ def test_bench_tiny_gpu(tmp_path):
     assert all(r["peak_extra_bytes"] is not None for r in records if r["status"] == "ok")
     naive = [r for r in records if r["impl"] == "naive"]
     plain_fwd = [r["mode"] == "fwd" and r["nheads_k"] == r["nheads"] and r["window"] is None for r in naive]
+    assert len(naive) == 12 and sum(plain_fwd) == 2  # naive ran fwd with causal off and on
     assert all(r["status"] == "ok" and r["ratio"] > 0 for r, plain in zip(naive, plain_fwd) if plain), naive
     # naive has no backward and runs plain attention only
     assert all(r["status"] == "n/a" for r, plain in zip(naive, plain_fwd) if not plain), naive
@@ -391,8 +388,7 @@ def test_naive_attention_matches_reference(dtype, causal):
     out = bench.naive_attention(*(cupy.asarray(a) for a in (q, k, v)), causal=causal)
     assert out.dtype == q.dtype and out.shape == q.shape and out.flags.c_contiguous
     ref, _ = attention_ref(*(a.astype(np.float64) for a in (q, k, v)), causal=causal)
-    got = cupy.asnumpy(out).astype(np.float64)
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < cli.FWD_TOL[bench.DTYPES[dtype]]
+    assert rel_err(cupy.asnumpy(out), ref) < cli.FWD_TOL[bench.DTYPES[dtype]]
 
 
 @on_gpu

@@ -26,13 +26,6 @@ def cache(tmp_path, monkeypatch):
     return path
 
 
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    monkeypatch.setattr(device, "gpu_available", lambda: True)
-    monkeypatch.setattr(device, "device_info", lambda device_id=None: FAKE_GPU)
-    return FAKE_GPU
-
-
 def fake_variants(**choice):
     """The variants the fake GPU uses, as the commands pick them."""
     return (cli.fwd_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin, **choice)

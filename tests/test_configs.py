@@ -94,8 +94,8 @@ def test_planner_covers_every_query_row_once(capability, seqlen_q):
         assert plan.block == (v.tile.threads, 1, 1) and plan.smem_bytes == v.smem_bytes
         num_m = -(-seqlen_q // v.tile.block_m)
         covered = []
+        masked = v.mask != "none"
         for x in range(plan.grid[0]):
-            masked = v.mask != "none"
             m, h, b = launch.block_coords(x, plan.grid[0], num_m, nheads, masked, masked)
             assert 0 <= m < num_m and 0 <= h < nheads and 0 <= b < batch
             row0 = m * v.tile.block_m

@@ -261,55 +261,6 @@ def test_fa2_backward_matches_ref(block_m, block_n, causal, seqlen_q, seqlen_k):
         np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-11, err_msg=name)
 
 
-@pytest.mark.parametrize("block_m,block_n", [(16, 16), (64, 32)])
-def test_causal_rows_without_keys(block_m, block_n):
-    # seqlen_q > seqlen_k: rows i < seqlen_q - seqlen_k see nothing; with 70 such rows and block_m
-    # 16 whole q blocks are never run in the forward (n_block_max <= 0).
-    seqlen_q, seqlen_k = 90, 20
-    rng = np.random.default_rng(8)
-    q, k, v = _qkv(rng, 2, seqlen_q, seqlen_k, 4, 2, 16)
-    dout = rng.standard_normal(q.shape)
-    empty = np.arange(seqlen_q) < seqlen_q - seqlen_k
-    results = [attention_ref(q, k, v, causal=True),
-               fa2_forward_tiled(q, k, v, causal=True, block_m=block_m, block_n=block_n)]
-    for out, lse in results:
-        assert not np.isnan(out).any() and not np.isnan(lse).any()
-        np.testing.assert_array_equal(out[:, empty], 0.0)
-        assert np.all(lse[:, :, empty] == -np.inf)
-        assert np.all(np.isfinite(lse[:, :, ~empty]))
-    out, lse = results[0]
-    tiled = fa2_backward_tiled(dout, q, k, v, out, lse, causal=True, block_m=block_m, block_n=block_n)
-    for dq, dk, dv in (attention_bwd_ref(dout, q, k, v, causal=True), tiled):
-        assert not any(np.isnan(g).any() for g in (dq, dk, dv))
-        np.testing.assert_array_equal(dq[:, empty], 0.0)
-        # dout in the empty rows must not reach dk, dv.
-        dout2 = dout.copy()
-        dout2[:, empty] = rng.standard_normal(dout2[:, empty].shape)
-        for g, g2 in zip((dk, dv), attention_bwd_ref(dout2, q, k, v, causal=True)[1:]):
-            np.testing.assert_allclose(g, g2, rtol=1e-9, atol=1e-11)
-
-
-def _expected_tiles(seqlen_q, seqlen_k, causal, block_m, block_n):
-    """Tiles holding an allowed (row, key) pair, and those among them holding a forbidden one.
-
-    Brute force over the element mask; keys past seqlen_k count as forbidden, rows past seqlen_q
-    do not exist.
-    """
-    n_q, n_k = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
-    keys = np.arange(n_k * block_n)
-    allowed = np.broadcast_to(keys[None, :] < seqlen_k, (seqlen_q, keys.size))
-    if causal:
-        allowed = allowed & (keys[None, :] <= np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q)
-    visited, masked = set(), set()
-    for i, j in itertools.product(range(n_q), range(n_k)):
-        tile = allowed[i * block_m:(i + 1) * block_m, j * block_n:(j + 1) * block_n]
-        if tile.any():
-            visited.add((i, j))
-            if not tile.all():
-                masked.add((i, j))
-    return visited, masked
-
-
 @pytest.mark.parametrize("block_m,block_n", BLOCKS)
 @pytest.mark.parametrize("seqlen", [64, 130, 256])
 def test_causal_square_tile_skipping(block_m, block_n, seqlen):
@@ -336,27 +287,6 @@ def test_causal_square_tile_skipping(block_m, block_n, seqlen):
     # Strictly below the diagonal most tiles run unmasked once the sequence spans a few blocks.
     if seqlen == 256 and block_m == block_n:
         assert len(want_visited - want_masked) > 0
-
-
-@pytest.mark.parametrize("block_m,block_n", BLOCKS)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seqlen_q,seqlen_k", SEQLENS + [(300, 40), (40, 300)])
-def test_tile_schedule_brute_force(block_m, block_n, causal, seqlen_q, seqlen_k):
-    want_visited, want_masked = _expected_tiles(seqlen_q, seqlen_k, causal, block_m, block_n)
-    rng = np.random.default_rng(10)
-    q, k, v = _qkv(rng, 1, seqlen_q, seqlen_k, 1, 1, 4)
-    out, lse, visited, masked = fa2_forward_tiled(q, k, v, causal=causal, block_m=block_m, block_n=block_n,
-                                                  return_visited=True)
-    assert set(visited) == want_visited and set(masked) == want_masked
-    # The forward walks each q block's key blocks from the last down to 0.
-    for i in {i for i, _ in visited}:
-        js = [j for ii, j in visited if ii == i]
-        assert js == sorted(js, reverse=True) and js[-1] == 0
-    *_, visited, masked = fa2_backward_tiled(rng.standard_normal(q.shape), q, k, v, out, lse, causal=causal,
-                                             block_m=block_m, block_n=block_n, return_visited=True)
-    # The backward also masks a q block that runs past seqlen_q (cuda_src/bwd.cu does).
-    partial_q = {(i, j) for i, j in want_visited if (i + 1) * block_m > seqlen_q}
-    assert set(visited) == want_visited and set(masked) == want_masked | partial_q
 
 
 # ----------------------------------------------------------------------------------------------
@@ -414,7 +344,7 @@ ALIGNS = ["bottom_right", "top_left"]
 WINDOWS = [(0, 0), (3, -1), (-1, 5), (17, 4), (64, 0), (2, 0), (5, 5)]
 # (causal, window_size): every window without causal, and with causal where right is -1 or 0.
 BANDS = ([(False, w) for w in WINDOWS] + [(True, w) for w in WINDOWS if w[1] in (-1, 0)]
-         + [(True, (-1, -1))])
+         + [(True, (-1, -1)), (False, (-1, -1))])
 BAND_SEQLENS = [(1, 1), (17, 17), (63, 65), (65, 63), (100, 130), (130, 100), (17, 100), (100, 17),
                 (1, 130), (130, 1)]
 
@@ -520,6 +450,7 @@ def _empty_rows(seqlen_q, seqlen_k, causal, window, alignment):
     (False, (0, 0), "top_left", 70),  # row i sees key i only
     (False, (3, 2), "bottom_right", 68),  # offset -70: rows ..67 end left of key 0
     (True, (5, 0), "bottom_right", 70),
+    (True, (-1, -1), "bottom_right", 70),  # plain causal, seqlen_q > seqlen_k: whole q blocks see nothing
 ])
 def test_band_rows_without_keys(block_m, block_n, causal, window, alignment, n_empty):
     seqlen_q, seqlen_k = 90, 20
