@@ -63,8 +63,8 @@ def test_softcap_alibi_sinks(dtype_name, head_dim, case):
     assert rel_err(out_h, ref_out) < REL_TOL[dtype_name]
     check_lse(lse, ref_lse)
     # each option changes the result on its own: a kernel that ignored either one fails
-    for option, off in (("softcap", 0.0), ("alibi_slopes", None)):
-        if host_kw[option] not in (0.0, None):
+    for option, off, used in (("softcap", 0.0, softcap > 0), ("alibi_slopes", None, alibi is not None)):
+        if used:
             without, _ = attention_ref(*host[:3], **{**host_kw, option: off})
             assert rel_err(without, ref_out) > 10 * REL_TOL[dtype_name], option
 
