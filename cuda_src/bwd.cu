@@ -40,34 +40,31 @@
 #include "mask.cuh"
 #include "seqlens.cuh"
 #include "score_mod.cuh"
+#include "params.cuh"
 
 // ---- preprocess: D = rowsum(dO * O) and a zeroed dQ accumulator, 8 threads per row -------------
+// Rows (rows_batch, rows_seqlen_q, nheads): a varlen batch is one sequence of its packed rows.
 template <int kHeadDim, bool Is_bf16>
 __global__ void __launch_bounds__(128)
-flash_bwd_preprocess_kernel(const u16* __restrict__ dout,  // (batch, seqlen_q, nheads, headdim)
-                            const u16* __restrict__ out,   // (batch, seqlen_q, nheads, headdim)
-                            float* __restrict__ delta,     // (batch, nheads, seqlen_q), contiguous
-                            float* __restrict__ dq_accum,  // (batch, seqlen_q, nheads, headdim), contiguous
-                            const int seqlen_q, const int nheads, const int batch,
-                            const i64 do_batch_stride, const i64 do_row_stride, const i64 do_head_stride,
-                            const i64 o_batch_stride, const i64 o_row_stride, const i64 o_head_stride) {
+flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
     constexpr int kThreadsPerRow = 8, kRowsPerBlock = 128 / kThreadsPerRow;
     constexpr int kChunks = kHeadDim / 8;
+    const int seqlen_q = p.rows_seqlen_q, nheads = p.nheads;
     // Rows in (batch, head, row) order, so the writes of D are contiguous.
     const i64 r = i64(blockIdx.x) * kRowsPerBlock + threadIdx.x / kThreadsPerRow;
     const int sub = threadIdx.x % kThreadsPerRow;
     float acc = 0.f;
-    const bool valid = r < i64(batch) * nheads * seqlen_q;
+    const bool valid = r < i64(p.rows_batch) * nheads * seqlen_q;
     if (valid) {
         const int row = int(r % seqlen_q);
         const i64 bh = r / seqlen_q;
         const int head = int(bh % nheads), b = int(bh / nheads);
-        float* pacc = dq_accum + ((i64(b) * seqlen_q + row) * nheads + head) * kHeadDim;
+        float* pacc = p.dq_accum + ((i64(b) * seqlen_q + row) * nheads + head) * kHeadDim;
 #pragma unroll
         for (int c = sub; c < kHeadDim / 4; c += kThreadsPerRow)
             *reinterpret_cast<float4*>(pacc + 4 * c) = make_float4(0.f, 0.f, 0.f, 0.f);
-        const u16* pdo = dout + b * do_batch_stride + row * do_row_stride + head * do_head_stride;
-        const u16* po = out + b * o_batch_stride + row * o_row_stride + head * o_head_stride;
+        const u16* pdo = p.dout + b * p.do_batch_stride + row * p.do_row_stride + head * p.do_head_stride;
+        const u16* po = p.out + b * p.o_batch_stride + row * p.o_row_stride + head * p.o_head_stride;
 #pragma unroll
         for (int c = sub; c < kChunks; c += kThreadsPerRow) {
             const uint4 x = *reinterpret_cast<const uint4*>(pdo + c * 8);
@@ -84,47 +81,50 @@ flash_bwd_preprocess_kernel(const u16* __restrict__ dout,  // (batch, seqlen_q, 
     }
 #pragma unroll
     for (int off = 1; off < kThreadsPerRow; off *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (valid && sub == 0) delta[r] = acc;
+    if (valid && sub == 0) p.delta[r] = acc;
 }
 
 // ---- postprocess: dQ = dq_accum * softmax_scale, 8 elements per thread -------------------------
 template <int kHeadDim, bool Is_bf16>
 __global__ void __launch_bounds__(256)
-flash_bwd_convert_dq_kernel(const float* __restrict__ dq_accum,  // (batch, seqlen_q, nheads, headdim), contiguous
-                            u16* __restrict__ dq,                // (batch, seqlen_q, nheads, headdim), strides below
-                            const int seqlen_q, const int nheads, const int batch,
-                            const i64 dq_batch_stride, const i64 dq_row_stride, const i64 dq_head_stride,
-                            const float softmax_scale) {
+flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
     constexpr int kChunks = kHeadDim / 8;
+    const int seqlen_q = p.rows_seqlen_q, nheads = p.nheads;
+    const float softmax_scale = p.softmax_scale;
     const i64 idx = i64(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (idx >= i64(batch) * seqlen_q * nheads * kChunks) return;
+    if (idx >= i64(p.rows_batch) * seqlen_q * nheads * kChunks) return;
     const int chunk = int(idx % kChunks);
     const i64 rest = idx / kChunks;
     const int head = int(rest % nheads);
     const i64 rest2 = rest / nheads;
     const int row = int(rest2 % seqlen_q), b = int(rest2 / seqlen_q);
-    const float4 lo = *reinterpret_cast<const float4*>(dq_accum + idx * 8);
-    const float4 hi = *reinterpret_cast<const float4*>(dq_accum + idx * 8 + 4);
+    const float4 lo = *reinterpret_cast<const float4*>(p.dq_accum + idx * 8);
+    const float4 hi = *reinterpret_cast<const float4*>(p.dq_accum + idx * 8 + 4);
     uint4 o;
     o.x = pack_f32x2<Is_bf16>(lo.x * softmax_scale, lo.y * softmax_scale);
     o.y = pack_f32x2<Is_bf16>(lo.z * softmax_scale, lo.w * softmax_scale);
     o.z = pack_f32x2<Is_bf16>(hi.x * softmax_scale, hi.y * softmax_scale);
     o.w = pack_f32x2<Is_bf16>(hi.z * softmax_scale, hi.w * softmax_scale);
-    *reinterpret_cast<uint4*>(dq + b * dq_batch_stride + row * dq_row_stride + head * dq_head_stride + chunk * 8) = o;
+    *reinterpret_cast<uint4*>(p.dq + b * p.dq_batch_stride + row * p.dq_row_stride + head * p.dq_head_stride + chunk * 8) = o;
 }
 
-// ---- GQA: dK (or dV) of a kv head = sum of its query heads' slices, 8 elements per thread -------
-// One pass over the per-query-head gradients, float32 sums, one rounding (the group's heads are
-// adjacent: query head h belongs to kv head h / group).
+// ---- GQA: dK (blockIdx.y = 0) or dV (1) of a kv head = sum of its query heads' slices ----------
+// One pass over the per-query-head gradients (dk, dv: contiguous, (rows of k, nheads, headdim)),
+// float32 sums, one rounding; 8 elements per thread. The group's heads are adjacent: query head h
+// belongs to kv head h / heads_per_kv_head.
 template <int kHeadDim, bool Is_bf16>
 __global__ void __launch_bounds__(256)
-flash_bwd_group_sum_kernel(const u16* __restrict__ per_head,  // (rows, nheads_k * group, headdim), contiguous
-                           u16* __restrict__ grad,            // (batch, seqlen, nheads_k, headdim), strides below
-                           const i64 rows, const int seqlen, const int nheads_k, const int group,
-                           const i64 batch_stride, const i64 row_stride, const i64 head_stride) {
+flash_bwd_group_sum_kernel(const __grid_constant__ BwdParams p) {
     constexpr int kChunks = kHeadDim / 8;
+    const bool is_v = blockIdx.y == 1;
+    const u16* per_head = is_v ? p.dv : p.dk;
+    u16* grad = is_v ? p.dv_kv : p.dk_kv;
+    const i64 batch_stride = is_v ? p.dv_kv_batch_stride : p.dk_kv_batch_stride;
+    const i64 row_stride = is_v ? p.dv_kv_row_stride : p.dk_kv_row_stride;
+    const i64 head_stride = is_v ? p.dv_kv_head_stride : p.dk_kv_head_stride;
+    const int seqlen = p.rows_seqlen_k, nheads_k = p.nheads_k, group = p.heads_per_kv_head;
     const i64 idx = i64(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (idx >= rows * nheads_k * kChunks) return;
+    if (idx >= i64(p.rows_batch) * seqlen * nheads_k * kChunks) return;
     const int chunk = int(idx % kChunks);
     const int head_k = int((idx / kChunks) % nheads_k);
     const i64 row = idx / (i64(kChunks) * nheads_k);
@@ -228,31 +228,7 @@ struct BwdTraits {
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool Is_causal, bool Is_local,
           bool Is_bf16, bool Is_deterministic, bool Has_score_mod>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
-flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   headdim)
-                 const u16* __restrict__ k,     // (batch, seqlen_k, nheads_k, headdim)
-                 const u16* __restrict__ v,     // (batch, seqlen_k, nheads_k, headdim)
-                 const u16* __restrict__ dout,  // (batch, seqlen_q, nheads,   headdim)
-                 const float* __restrict__ lse,    // (batch, nheads, seqlen_q) or varlen (nheads, total_q)
-                 const float* __restrict__ delta,  // rowsum(dO * O), laid out as lse
-                 float* __restrict__ dq_accum,     // (batch, seqlen_q, nheads, headdim) or (total_q, ...), zeroed
-                 u16* __restrict__ dk,          // (batch, seqlen_k, nheads, headdim): one slice per q head
-                 u16* __restrict__ dv,          // (batch, seqlen_k, nheads, headdim)
-                 int* __restrict__ dq_semaphore,   // (batch, nheads, q blocks), zeroed; deterministic only (else null)
-                 const int* __restrict__ cu_seqlens_q,  // varlen: (batch + 1), seqlens.cuh; padded: null
-                 const int* __restrict__ cu_seqlens_k,
-                 const int max_seqlen_q, const int max_seqlen_k, const int nheads, const int heads_per_kv_head,
-                 const i64 q_batch_stride, const i64 q_row_stride, const i64 q_head_stride,
-                 const i64 k_batch_stride, const i64 k_row_stride, const i64 k_head_stride,
-                 const i64 v_batch_stride, const i64 v_row_stride, const i64 v_head_stride,
-                 const i64 do_batch_stride, const i64 do_row_stride, const i64 do_head_stride,
-                 const i64 dk_batch_stride, const i64 dk_row_stride, const i64 dk_head_stride,
-                 const i64 dv_batch_stride, const i64 dv_row_stride, const i64 dv_head_stride,
-                 const i64 lse_batch_stride, const i64 lse_head_stride,
-                 const int align_bottom_right,                      // band offset seqlen_k - seqlen_q, else 0
-                 const int window_left, const int window_right,     // Is_local, mask.cuh
-                 const float softcap, const float* __restrict__ alibi_slopes,  // Has_score_mod
-                 const int alibi_batch_stride,
-                 const float softmax_scale, const float scale_log2) {
+flash_bwd_kernel(const __grid_constant__ BwdParams p) {  // params.cuh
     using T = BwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, kStages>;
     constexpr float kLog2e = 1.4426950408889634f;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -268,15 +244,15 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
 
     int n_block, head, batch;
     // Causal: key block 0 sees every q block, so ascending key blocks are heaviest first.
-    block_coords<Is_causal || Is_local, false>(blockIdx.x, (max_seqlen_k + kBlockN - 1) / kBlockN, nheads, n_block,
+    block_coords<Is_causal || Is_local, false>(blockIdx.x, (p.max_seqlen_k + kBlockN - 1) / kBlockN, p.nheads, n_block,
                                                head, batch);
-    const SeqLens seq(cu_seqlens_q, cu_seqlens_k, batch, max_seqlen_q, max_seqlen_k);
+    const SeqLens seq(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.max_seqlen_q, p.max_seqlen_k);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
     if (n_block * kBlockN >= seqlen_k) return;  // varlen: past this sequence's end
-    const int band_offset = align_bottom_right ? seqlen_k - seqlen_q : 0;
-    const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, window_left, window_right};
-    const ScoreMod mod(softmax_scale, softcap, alibi_slopes, alibi_batch_stride, batch, head, band_offset);
-    const int kv_head = head / heads_per_kv_head;
+    const int band_offset = p.align_bottom_right ? seqlen_k - seqlen_q : 0;
+    const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, p.window_left, p.window_right};
+    const ScoreMod mod(p.softmax_scale, p.softcap, p.alibi_slopes, p.alibi_batch_stride, batch, head, band_offset);
+    const int kv_head = head / p.heads_per_kv_head;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int key0 = n_block * kBlockN;
@@ -286,29 +262,29 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
     const int m_block_max = (mask.row_end(key0) + kBlockM - 1) / kBlockM;
 
     const i64 q_start = seq.q_start, k_row = i64(seq.k_start) + key0;
-    const u16* gQ = q + batch * q_batch_stride + head * q_head_stride + q_start * q_row_stride;
-    const u16* gdO = dout + batch * do_batch_stride + head * do_head_stride + q_start * do_row_stride;
-    const u16* gK = k + batch * k_batch_stride + kv_head * k_head_stride + k_row * k_row_stride;
-    const u16* gV = v + batch * v_batch_stride + kv_head * v_head_stride + k_row * v_row_stride;
-    const float* gLse = lse + batch * lse_batch_stride + head * lse_head_stride + q_start;
-    const float* gDelta = delta + batch * lse_batch_stride + head * lse_head_stride + q_start;
+    const u16* gQ = p.q + batch * p.q_batch_stride + head * p.q_head_stride + q_start * p.q_row_stride;
+    const u16* gdO = p.dout + batch * p.do_batch_stride + head * p.do_head_stride + q_start * p.do_row_stride;
+    const u16* gK = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride + k_row * p.k_row_stride;
+    const u16* gV = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride + k_row * p.v_row_stride;
+    const float* gLse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
+    const float* gDelta = p.delta + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
     // dq_accum rows: the packed rows (varlen) or max_seqlen_q per batch entry
-    const i64 dq_row0 = cu_seqlens_q ? q_start : i64(batch) * max_seqlen_q;
-    float* gdQ = dq_accum + (dq_row0 * nheads + head) * kHeadDim;
-    const i64 dq_row_stride = i64(nheads) * kHeadDim;
+    const i64 dq_row0 = p.cu_seqlens_q ? q_start : i64(batch) * p.max_seqlen_q;
+    float* gdQ = p.dq_accum + (dq_row0 * p.nheads + head) * kHeadDim;
+    const i64 dq_row_stride = i64(p.nheads) * kHeadDim;
 
     const u32 sK_base = smem_u32(sK), sV_base = smem_u32(sV), sQ_base = smem_u32(sQ), sdO_base = smem_u32(sdO);
     const u32 sdS_base = smem_u32(sdS), sLse_base = smem_u32(sLse), sDelta_base = smem_u32(sDelta);
-    const TileLoader<kBlockN, kHeadDim, T::kThreads> k_loader(tid, k_row_stride);
-    const TileLoader<kBlockN, kHeadDim, T::kThreads> v_loader(tid, v_row_stride);
-    const TileLoader<kBlockM, kHeadDim, T::kThreads> q_loader(tid, q_row_stride);
-    const TileLoader<kBlockM, kHeadDim, T::kThreads> do_loader(tid, do_row_stride);
+    const TileLoader<kBlockN, kHeadDim, T::kThreads> k_loader(tid, p.k_row_stride);
+    const TileLoader<kBlockN, kHeadDim, T::kThreads> v_loader(tid, p.v_row_stride);
+    const TileLoader<kBlockM, kHeadDim, T::kThreads> q_loader(tid, p.q_row_stride);
+    const TileLoader<kBlockM, kHeadDim, T::kThreads> do_loader(tid, p.do_row_stride);
 
     // Q_i, dO_i, LSE_i and D_i of q block m into stage `stage`. Rows past seqlen_q are zero-filled.
     auto load_q_block = [&](int m, int stage) {
         const int row0 = m * kBlockM, rows = seqlen_q - row0;
-        q_loader.load(sQ_base + stage * 2 * T::kSmemQ, gQ + row0 * q_row_stride, rows);
-        do_loader.load(sdO_base + stage * 2 * T::kSmemQ, gdO + row0 * do_row_stride, rows);
+        q_loader.load(sQ_base + stage * 2 * T::kSmemQ, gQ + row0 * p.q_row_stride, rows);
+        do_loader.load(sdO_base + stage * 2 * T::kSmemQ, gdO + row0 * p.do_row_stride, rows);
         for (int r = tid; r < kBlockM; r += T::kThreads) {
             const bool valid = r < rows;
             cp_async_4(sLse_base + (stage * kBlockM + r) * 4, gLse + (valid ? row0 + r : 0), valid ? 4 : 0);
@@ -394,7 +370,7 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
         }
         // P^T and dS^T in place of S^T and dP^T (ProbsAndGrads above).
         ProbsAndGrads<T::kQTiles, Has_score_mod> probs{acc_s, acc_dp, sLse_s + 2 * t, sDelta_s + 2 * t, mod,
-                                                       Has_score_mod ? kLog2e : scale_log2, row0 + 2 * t,
+                                                       Has_score_mod ? kLog2e : p.scale_log2, row0 + 2 * t,
                                                        key0 + 16 * kg + g};
         if (Has_score_mod) mod.dispatch(probs);
         else probs.template run<false, false>();
@@ -450,7 +426,7 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
                 }
             }
         }
-        int* sem = dq_semaphore + (i64(batch) * nheads + head) * ((max_seqlen_q + kBlockM - 1) / kBlockM) + m_block;
+        int* sem = p.dq_semaphore + (i64(batch) * p.nheads + head) * ((p.max_seqlen_q + kBlockM - 1) / kBlockM) + m_block;
         // Deterministic: add in key-block order. The key blocks that reach q block i are a
         // contiguous range, from 0 or (Is_local) from the one holding key row0 + offset - left;
         // the semaphore counts the ones that have added, so block j waits for j - n_first.
@@ -504,14 +480,14 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
         for (int dt = 0; dt < T::kDPerWarp / 8; ++dt) {
             const int col = d0 + 8 * dt + 2 * t;
             *reinterpret_cast<u32*>(sK + row * T::kPitch + col) =
-                pack_f32x2<Is_bf16>(acc_dk[dt][2 * h] * softmax_scale, acc_dk[dt][2 * h + 1] * softmax_scale);
+                pack_f32x2<Is_bf16>(acc_dk[dt][2 * h] * p.softmax_scale, acc_dk[dt][2 * h + 1] * p.softmax_scale);
             *reinterpret_cast<u32*>(sV + row * T::kPitch + col) =
                 pack_f32x2<Is_bf16>(acc_dv[dt][2 * h], acc_dv[dt][2 * h + 1]);
         }
     }
     __syncthreads();
-    store_tile<kBlockN, kHeadDim, T::kThreads>(dk + batch * dk_batch_stride + head * dk_head_stride + k_row * dk_row_stride,
-                                               dk_row_stride, sK, keys_valid, tid);
-    store_tile<kBlockN, kHeadDim, T::kThreads>(dv + batch * dv_batch_stride + head * dv_head_stride + k_row * dv_row_stride,
-                                               dv_row_stride, sV, keys_valid, tid);
+    store_tile<kBlockN, kHeadDim, T::kThreads>(p.dk + batch * p.dk_batch_stride + head * p.dk_head_stride + k_row * p.dk_row_stride,
+                                               p.dk_row_stride, sK, keys_valid, tid);
+    store_tile<kBlockN, kHeadDim, T::kThreads>(p.dv + batch * p.dv_batch_stride + head * p.dv_head_stride + k_row * p.dv_row_stride,
+                                               p.dv_row_stride, sV, keys_valid, tid);
 }

@@ -25,6 +25,7 @@
 #include "grid.cuh"
 #include "seqlens.cuh"
 #include "score_mod.cuh"
+#include "params.cuh"
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool Is_causal_, bool Is_local_, bool Is_bf16_>
 struct FwdTraits {
@@ -46,25 +47,7 @@ struct FwdTraits {
 template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, bool Is_causal, bool Is_local, bool Is_bf16,
           bool Has_score_mod>
 __global__ void __launch_bounds__(kNWarps * 32)
-flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   headdim), strides below
-                 const u16* __restrict__ k,    // (batch, seqlen_k, nheads_k, headdim)
-                 const u16* __restrict__ v,    // (batch, seqlen_k, nheads_k, headdim)
-                 u16* __restrict__ out,        // (batch, seqlen_q, nheads,   headdim)
-                 float* __restrict__ lse,      // (batch, nheads, seqlen_q) or varlen (nheads, total_q)
-                 const int* __restrict__ cu_seqlens_q,  // varlen: (batch + 1), seqlens.cuh; padded: null
-                 const int* __restrict__ cu_seqlens_k,
-                 const int max_seqlen_q, const int max_seqlen_k, const int nheads, const int heads_per_kv_head,
-                 const i64 q_batch_stride, const i64 q_row_stride, const i64 q_head_stride,
-                 const i64 k_batch_stride, const i64 k_row_stride, const i64 k_head_stride,
-                 const i64 v_batch_stride, const i64 v_row_stride, const i64 v_head_stride,
-                 const i64 o_batch_stride, const i64 o_row_stride, const i64 o_head_stride,
-                 const i64 lse_batch_stride, const i64 lse_head_stride,
-                 const int align_bottom_right,                      // band offset seqlen_k - seqlen_q, else 0
-                 const int window_left, const int window_right,     // Is_local, mask.cuh
-                 const float softcap, const float* __restrict__ alibi_slopes,  // Has_score_mod
-                 const int alibi_batch_stride,
-                 const float* __restrict__ sinks,  // (nheads) float32 sink logits; null: none
-                 const float softmax_scale, const float scale_log2) {
+flash_fwd_kernel(const __grid_constant__ FwdParams p) {  // params.cuh
     using T = FwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, Is_causal, Is_local, Is_bf16>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw);
@@ -72,26 +55,26 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
     u16* sV = sK + kBlockN * T::kPitch;
 
     int m_block, head, batch;
-    block_coords<Is_causal || Is_local, Is_causal || Is_local>(blockIdx.x, (max_seqlen_q + kBlockM - 1) / kBlockM, nheads, m_block, head, batch);
-    const SeqLens seq(cu_seqlens_q, cu_seqlens_k, batch, max_seqlen_q, max_seqlen_k);
+    block_coords<Is_causal || Is_local, Is_causal || Is_local>(blockIdx.x, (p.max_seqlen_q + kBlockM - 1) / kBlockM, p.nheads, m_block, head, batch);
+    const SeqLens seq(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.max_seqlen_q, p.max_seqlen_k);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
     const int row0 = m_block * kBlockM;
     if (row0 >= seqlen_q) return;  // varlen: past this sequence's end
-    const int kv_head = head / heads_per_kv_head;
+    const int kv_head = head / p.heads_per_kv_head;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int rows_valid = min(kBlockM, seqlen_q - row0);
 
-    const u16* gQ = q + batch * q_batch_stride + head * q_head_stride + (i64(seq.q_start) + row0) * q_row_stride;
-    const u16* gK = k + batch * k_batch_stride + kv_head * k_head_stride + i64(seq.k_start) * k_row_stride;
-    const u16* gV = v + batch * v_batch_stride + kv_head * v_head_stride + i64(seq.k_start) * v_row_stride;
-    u16* gO = out + batch * o_batch_stride + head * o_head_stride + (i64(seq.q_start) + row0) * o_row_stride;
-    float* gLse = lse + batch * lse_batch_stride + head * lse_head_stride + seq.q_start + row0;
+    const u16* gQ = p.q + batch * p.q_batch_stride + head * p.q_head_stride + (i64(seq.q_start) + row0) * p.q_row_stride;
+    const u16* gK = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride + i64(seq.k_start) * p.k_row_stride;
+    const u16* gV = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride + i64(seq.k_start) * p.v_row_stride;
+    u16* gO = p.out + batch * p.o_batch_stride + head * p.o_head_stride + (i64(seq.q_start) + row0) * p.o_row_stride;
+    float* gLse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_start + row0;
 
-    const int band_offset = align_bottom_right ? seqlen_k - seqlen_q : 0;
-    const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, window_left, window_right};
-    const ScoreMod mod(softmax_scale, softcap, alibi_slopes, alibi_batch_stride, batch, head, band_offset);
+    const int band_offset = p.align_bottom_right ? seqlen_k - seqlen_q : 0;
+    const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, p.window_left, p.window_right};
+    const ScoreMod mod(p.softmax_scale, p.softcap, p.alibi_slopes, p.alibi_batch_stride, batch, head, band_offset);
     // With score mods S is in natural units before the softmax (score_mod.cuh).
-    const float score_log2 = Has_score_mod ? 1.4426950408889634f : scale_log2;
+    const float score_log2 = Has_score_mod ? 1.4426950408889634f : p.scale_log2;
     const int n_block_min = Is_local ? mask.key_begin(row0) / kBlockN : 0;
     const int n_block_max = (mask.key_end(row0) + kBlockN - 1) / kBlockN;  // <= n_block_min: no key
     const int warp_row0 = warp * T::kRowsPerWarp;  // first row of this warp within the q block
@@ -107,13 +90,13 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
     OnlineSoftmax<T::kMTiles> softmax;
 
     const u32 sQ_base = smem_u32(sQ), sK_base = smem_u32(sK), sV_base = smem_u32(sV);
-    const TileLoader<kBlockM, kHeadDim, T::kThreads> q_loader(tid, q_row_stride);
-    const TileLoader<kBlockN, kHeadDim, T::kThreads> k_loader(tid, k_row_stride);
-    const TileLoader<kBlockN, kHeadDim, T::kThreads> v_loader(tid, v_row_stride);
+    const TileLoader<kBlockM, kHeadDim, T::kThreads> q_loader(tid, p.q_row_stride);
+    const TileLoader<kBlockN, kHeadDim, T::kThreads> k_loader(tid, p.k_row_stride);
+    const TileLoader<kBlockN, kHeadDim, T::kThreads> v_loader(tid, p.v_row_stride);
     if (n_block_max > n_block_min) {
         q_loader.load(sQ_base, gQ, rows_valid);
         const int key_last = (n_block_max - 1) * kBlockN;
-        k_loader.load(sK_base, gK + key_last * k_row_stride, seqlen_k - key_last);
+        k_loader.load(sK_base, gK + key_last * p.k_row_stride, seqlen_k - key_last);
         cp_async_commit();
     }
     // This lane's ldmatrix addresses; per-fragment offsets below are compile-time constants.
@@ -125,7 +108,7 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
         const int key0 = n_block * kBlockN;
         cp_async_wait<0>();
         __syncthreads();  // K_j landed for every warp; every warp is done reading V_{j+1}
-        v_loader.load(sV_base, gV + key0 * v_row_stride, seqlen_k - key0);
+        v_loader.load(sV_base, gV + key0 * p.v_row_stride, seqlen_k - key0);
         cp_async_commit();
 
         // S = Q_i K_j^T over the head dim, 16 columns per step.
@@ -161,7 +144,7 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
         __syncthreads();  // V_j landed; every warp is done reading K_j
         if (n_block > n_block_min) {
             const int key_prev = key0 - kBlockN;
-            k_loader.load(sK_base, gK + key_prev * k_row_stride, seqlen_k - key_prev);
+            k_loader.load(sK_base, gK + key_prev * p.k_row_stride, seqlen_k - key_prev);
             cp_async_commit();
         }
 
@@ -185,7 +168,7 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
     }
 
     float row_lse[OnlineSoftmax<T::kMTiles>::kRows];
-    softmax.finalize(acc_o, Has_score_mod ? 1.f : softmax_scale, sinks ? sinks[head] : -FC_INF, row_lse);
+    softmax.finalize(acc_o, Has_score_mod ? 1.f : p.softmax_scale, p.sinks ? p.sinks[head] : -FC_INF, row_lse);
 
     // Stage O through this warp's own rows of sQ (only this warp ever read them), then store
     // 16-byte chunks. A block with no key at all never loaded Q, so it skips straight here too.
@@ -204,6 +187,6 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
         }
     }
     __syncwarp();
-    store_tile<T::kRowsPerWarp, kHeadDim, 32>(gO + i64(warp_row0) * o_row_stride, o_row_stride,
+    store_tile<T::kRowsPerWarp, kHeadDim, 32>(gO + i64(warp_row0) * p.o_row_stride, p.o_row_stride,
                                               sQ + warp_row0 * T::kPitch, rows_valid - warp_row0, lane);
 }

@@ -13,13 +13,13 @@ import hashlib
 import json
 import os
 import re
+import struct
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).resolve().parent.parent / "cuda_src"
-NVRTC_OPTIONS = ("-std=c++17",)
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
@@ -51,23 +51,35 @@ def load_source(name: str) -> str:
 def compile_cubin(variant, arch: str) -> bytes:
     """Compile one variant with NVRTC for an explicit arch (e.g. "sm_80", "sm_90a"), no GPU needed.
 
-    Returns the cubin. This is what CI runs for every variant the dispatcher can pick.
+    Returns the cubin. This is what CI runs for every variant the dispatcher can pick; the variant's
+    layout_check (C++ static_asserts that the launch's shared-memory size is the kernel's own) is
+    compiled with it.
     """
     from cupy_backends.cuda.libs import nvrtc
 
-    source = load_source(variant.source)
+    source = load_source(variant.source) + "\n" + variant.layout_check + "\n"
     prog = nvrtc.createProgram(source, variant.source, [], [])
     try:
         nvrtc.addNameExpression(prog, variant.name_expression)
         try:
-            nvrtc.compileProgram(prog, list(NVRTC_OPTIONS) + [f"-arch={arch}"])
+            nvrtc.compileProgram(prog, list(variant.nvrtc_options) + [f"-arch={arch}"])
         except nvrtc.NVRTCError as exc:
             raise KernelCompileError(f"NVRTC failed to compile {variant} for {arch}:\n"
                                      f"{nvrtc.getProgramLog(prog)}") from exc
         nvrtc.getLoweredName(prog, variant.name_expression)  # raises if the instance is missing
-        return nvrtc.getCUBIN(prog)
+        return _whole_elf(nvrtc.getCUBIN(prog))
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def _whole_elf(cubin: bytes) -> bytes:
+    """CuPy's getCUBIN returns the image less its last byte (read as a C string); pad it back to the
+    size its ELF header declares (the end of the program- or section-header table), so that the
+    cubin loads and disassembles."""
+    e_phoff, e_shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    e_phentsize, e_phnum, e_shentsize, e_shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    size = max(e_phoff + e_phentsize * e_phnum, e_shoff + e_shentsize * e_shnum)
+    return cubin + b"\0" * max(0, size - len(cubin))
 
 
 _kernels: dict = {}
@@ -90,7 +102,7 @@ def get_kernel(variant):
     with _kernels_lock:
         kernel = _kernels.get(key)
         if kernel is None:
-            module = cupy.RawModule(code=load_source(variant.source), options=NVRTC_OPTIONS,
+            module = cupy.RawModule(code=load_source(variant.source), options=tuple(variant.nvrtc_options),
                                     name_expressions=[variant.name_expression])
             try:
                 kernel = module.get_function(variant.name_expression)
@@ -143,10 +155,10 @@ def _nvrtc_version() -> str:
         return "unknown"
 
 
-def source_hash(source: str, arch: str) -> str:
+def source_hash(source: str, arch: str, options=()) -> str:
     """sha256 of what decides the binary besides the name expression: the inlined source text,
     the NVRTC options and version, and the arch. CuPy's cache key changes with each of them."""
-    parts = (load_source(source), " ".join(NVRTC_OPTIONS), arch, _nvrtc_version())
+    parts = (load_source(source), " ".join(options), arch, _nvrtc_version())
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
@@ -195,8 +207,9 @@ def record_compiled(variant, arch: str, seconds: float | None = None) -> dict | 
         "name_expression": variant.name_expression,
         "variant": str(variant),
         "source": variant.source,
+        "options": list(variant.nvrtc_options),
         "arch": arch,
-        "sha256": source_hash(variant.source, arch),
+        "sha256": source_hash(variant.source, arch, variant.nvrtc_options),
         "compiled_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "seconds": None if seconds is None else round(float(seconds), 3),
     }
@@ -210,21 +223,23 @@ def cached_variants(arch: str | None = None) -> list[dict]:
     """Index entries (for `arch`, or all) whose source hash still matches the current sources."""
     hashes: dict = {}
 
-    def current(source, entry_arch):
-        if (source, entry_arch) not in hashes:
+    def current(source, entry_arch, options):
+        key = (source, entry_arch, options)
+        if key not in hashes:
             try:
-                hashes[source, entry_arch] = source_hash(source, entry_arch)
+                hashes[key] = source_hash(source, entry_arch, options)
             except OSError:  # a source file that no longer exists
-                hashes[source, entry_arch] = None
-        return hashes[source, entry_arch]
+                hashes[key] = None
+        return hashes[key]
 
     entries = []
     for entry in read_index().values():
         fields = [entry.get(k) for k in ("name_expression", "source", "arch", "sha256")]
-        if not all(isinstance(f, str) for f in fields):  # hand-edited or from another version
-            continue
+        options = entry.get("options")
+        if not all(isinstance(f, str) for f in fields) or not isinstance(options, list):
+            continue  # hand-edited or from another version
         _, source, entry_arch, digest = fields
-        if (arch is None or entry_arch == arch) and digest == current(source, entry_arch):
+        if (arch is None or entry_arch == arch) and digest == current(source, entry_arch, tuple(map(str, options))):
             entries.append(entry)
     return sorted(entries, key=lambda e: (e["arch"], e["name_expression"]))
 
@@ -243,21 +258,25 @@ def compile_for_cache(variant, device_id: int | None = None) -> float:
     return time.perf_counter() - start
 
 
-def _compile_job(variant, device_id):
+def _compile_job(variant, device_id, arch):
     """Body of a worker process: (seconds, None) or (None, error text); nothing is raised, so an
     exception that does not pickle cannot take the pool down."""
     try:
+        if arch is not None:
+            start = time.perf_counter()
+            compile_cubin(variant, arch)
+            return time.perf_counter() - start, None
         return compile_for_cache(variant, device_id), None
     except Exception as exc:
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def compile_in_processes(variants, jobs: int, device_id: int | None = None):
+def compile_in_processes(variants, jobs: int, device_id: int | None = None, arch: str | None = None):
     """Compile `variants` in `jobs` worker processes; yield (variant, seconds, error) as each ends.
 
     Workers are spawned, not forked: a forked child cannot use its parent's CUDA state. Each one
     compiles into CuPy's disk cache (the workers inherit CUPY_CACHE_DIR), where later processes
-    find the kernels.
+    find the kernels; with `arch`, each compiles offline for that architecture (no GPU, no cache).
     """
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -268,7 +287,7 @@ def compile_in_processes(variants, jobs: int, device_id: int | None = None):
     pool = ProcessPoolExecutor(max_workers=max(1, min(jobs, len(variants))),
                                mp_context=multiprocessing.get_context("spawn"))
     try:
-        futures = {pool.submit(_compile_job, v, device_id): v for v in variants}
+        futures = {pool.submit(_compile_job, v, device_id, arch): v for v in variants}
         for future in as_completed(futures):
             try:
                 seconds, error = future.result()

@@ -14,7 +14,8 @@ import click
 import numpy as np
 
 import flashcupy
-from flashcupy import bench, build, configs, device
+from flashcupy import bench, build, configs, device, registry
+from flashcupy.problem import AttentionOptions, Problem
 
 NO_GPU_EXIT = 2
 
@@ -26,6 +27,7 @@ LSE_TOL = 2e-3
 CHECK_SEQLENS = ((257, 300), (300, 257), (512, 512))  # ragged both ways, then equal (q, k)
 CHECK_BATCH, CHECK_NHEADS = 2, 3
 CHECK_SOFTCAP = 8.0  # score-mod kernels: softcap and ALiBi slopes, where they change the result
+OFFLINE_ARCHS = ("sm_80", "sm_90a")  # `compile --arch`: the NVRTC targets of the kernel families
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,26 +136,46 @@ _MASK_CASES = {"none": {}, "causal": {"causal": True},
                "local": {"window_size": (48, 16), "alignment": "top_left"}}
 
 
-def fwd_variants(capability, smem_optin=None, head_dims=configs.SUPPORTED_HEAD_DIMS,
-                 dtypes=configs.DTYPE_NAMES, masks=configs.MASKS, score_mods=(False, True)) -> list:
-    """Forward variants the dispatcher picks, in configs.all_fwd_variants' order.
-
-    With the device's opt-in shared memory the tiles are the ones flash_attn_func takes there;
-    without it, those of the capability's nominal limit (what all_fwd_variants gives).
-    """
-    return [configs.fwd_variant(d, dt, m, capability, smem_optin, mod)
-            for d in head_dims for dt in dtypes for m in masks for mod in score_mods]
+def family_variants(direction, capability, smem_optin=None, **choice) -> list:
+    """(family, variant) pairs of every family of `direction` that runs on this capability, in
+    dispatch order. With the device's opt-in shared memory the tiles are the ones the API takes
+    there; without it, those of the capability's nominal limit."""
+    return [(family, v) for family in registry.families(direction) if family.runs_on(capability)
+            for v in family.variants(capability, smem_optin, **choice)]
 
 
-def bwd_variants(capability, smem_optin=None, head_dims=configs.SUPPORTED_HEAD_DIMS,
-                 dtypes=configs.DTYPE_NAMES, masks=configs.MASKS, deterministic=(False, True),
-                 score_mods=(False, True)) -> list:
-    """Backward kernels (main, then preprocess and dQ convert), as configs.all_bwd_variants lists them."""
-    mains = [configs.bwd_variant(d, dt, m, det, capability, smem_optin, mod)
-             for d in head_dims for dt in dtypes for m in masks for det in deterministic for mod in score_mods]
-    helpers = [configs.BwdHelperVariant(kernel, d, dt) for kernel in configs.BWD_HELPER_KERNELS
-               for d in head_dims for dt in dtypes]
-    return mains + helpers
+def fwd_variants(capability, smem_optin=None, **choice) -> list:
+    """Forward variants the dispatcher can pick; `choice`: head_dims, dtypes, masks, score_mods."""
+    return [v for _, v in family_variants("fwd", capability, smem_optin, **choice)]
+
+
+def bwd_variants(capability, smem_optin=None, **choice) -> list:
+    """Backward kernels the dispatcher can pick (each family's main kernels, then its helpers)."""
+    return [v for _, v in family_variants("bwd", capability, smem_optin, **choice)]
+
+
+# The option sets `flashcupy info` shows the dispatch of, by head dim.
+_DISPATCH_CASES = (("plain", {}), ("causal", {"causal": True}), ("window", {"window_size": (256, 0)}),
+                   ("softcap", {"softcap": 30.0}))
+
+
+def dispatch_table(info, dtype="bfloat16") -> list:
+    """Rows (head dim, {case: "fwd family / bwd family"}) for this device; a case no family serves says
+    why."""
+    rows = []
+    for head_dim in configs.SUPPORTED_HEAD_DIMS:
+        cells = {}
+        for case, options in _DISPATCH_CASES:
+            problem = Problem.sketch(head_dim, dtype, AttentionOptions(**options))
+            names = []
+            for direction in ("fwd", "bwd"):
+                try:
+                    names.append(registry.select(direction, problem, info).name)
+                except ValueError as exc:
+                    names.append(f"none ({exc})")
+            cells[case] = " / ".join(names)
+        rows.append((head_dim, cells))
+    return rows
 
 
 def _cached_names(info) -> set[str]:
@@ -292,6 +314,13 @@ def info_command(ctx, verbose):
     ]
     for key, value in rows:
         click.echo(f"{key + ':':<22}{value if value is not None else 'unknown'}")
+    click.echo("kernel families (dispatch order; backend= or FLASHCUPY_BACKEND forces one by name):")
+    for family in registry.families():
+        here = "" if family.runs_on(info.capability) else "  [not on this GPU]"
+        click.echo(f"  {family.direction} {family.name:<8}{family.summary}{here}")
+    click.echo("family per head dim (bf16, fwd / bwd): " + ", ".join(case for case, _ in _DISPATCH_CASES))
+    for head_dim, cells in dispatch_table(info):
+        click.echo(f"  d={head_dim:<4}" + "  ".join(f"{case}: {cell}" for case, cell in cells.items()))
 
     try:
         forward = fwd_variants(info.capability, info.smem_per_block_optin)
@@ -339,47 +368,61 @@ def _default_jobs() -> int:
               help="Variants with softcap / ALiBi off, on, or both.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=_default_jobs, show_default="min(CPUs, 8)",
               help="Compiler processes run in parallel.")
+@click.option("--arch", type=click.Choice(OFFLINE_ARCHS),
+              help="Compile for this architecture without a GPU (a build check: nothing is cached).")
 @click.pass_context
-def compile_command(ctx, head_dims, dtypes, direction, causal, deterministic, score_mod, jobs):
+def compile_command(ctx, head_dims, dtypes, direction, causal, deterministic, score_mod, jobs, arch):
     """Compile kernel variants ahead of time into CuPy's on-disk cache.
 
     Without options: every variant this GPU can use. Afterwards the first call of a variant in a
     new process loads it from disk in milliseconds instead of compiling it (about a second each).
-    Exit status 1 when a variant fails to compile.
+    With --arch: every variant the families build for that architecture, compiled with NVRTC on
+    this machine, GPU or not, to check the kernels and the toolchain. Exit status 1 when a variant
+    fails to compile.
     """
+    names = tuple(bench.DTYPES[d] for d in dtypes)
+    choice = {"head_dims": head_dims, "dtypes": names, "masks": _MASKS_FOR_CAUSAL[causal],
+              "score_mods": _OFF_ON[score_mod], "deterministic": _OFF_ON[deterministic]}
+    directions = ("fwd", "bwd") if direction == "all" else (direction,)
+    if arch is not None:
+        capability = configs.arch_capability(arch)
+        variants = [v for d in directions for family, v in family_variants(d, capability, **choice)
+                    if arch in family.archs]
+        if not variants:
+            raise click.ClickException(f"no kernel family builds for {arch}")
+        _compile_and_report(ctx, variants, jobs, f"{arch} (offline, nothing cached)", arch=arch)
+        return
     info = _require_gpu(ctx)
     if not build.disk_cache_enabled():
         raise click.ClickException("CUPY_CACHE_IN_MEMORY=1 keeps compiled kernels off the disk; unset it "
                                    "to compile ahead of time")
     # The variants are chosen here, from this device's opt-in shared memory, and handed to the
     # workers as they are: every worker builds exactly what flash_attn_func will ask for.
-    names = tuple(bench.DTYPES[d] for d in dtypes)
-    choice = {"head_dims": head_dims, "dtypes": names, "masks": _MASKS_FOR_CAUSAL[causal],
-              "score_mods": _OFF_ON[score_mod]}
-    try:
-        variants = []
-        if direction in ("fwd", "all"):
-            variants += fwd_variants(info.capability, info.smem_per_block_optin, **choice)
-        if direction in ("bwd", "all"):
-            variants += bwd_variants(info.capability, info.smem_per_block_optin,
-                                     deterministic=_OFF_ON[deterministic], **choice)
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
-    arch = build.device_arch(info.capability)
+    variants = [v for d in directions for v in (fwd_variants if d == "fwd" else bwd_variants)(
+        info.capability, info.smem_per_block_optin, **choice)]
+    if not variants:
+        raise click.ClickException(f"no kernel family runs on {info.name} (sm {_capability(info)})")
     cached = _cached_names(info)
-    jobs = min(jobs, len(variants))
-    click.echo(f"{info.name} (sm {_capability(info)}): {len(variants)} kernels, "
-               f"{sum(v.name_expression in cached for v in variants)} already compiled on disk, "
-               f"{jobs} processes, cache {build.cache_dir()}")
+    header = (f"{info.name} (sm {_capability(info)}): {sum(v.name_expression in cached for v in variants)} already "
+              f"compiled on disk, cache {build.cache_dir()}")
+    _compile_and_report(ctx, variants, jobs, header, info=info)
 
+
+def _compile_and_report(ctx, variants, jobs, header, info=None, arch=None):
+    """Compile in worker processes, for the GPU `info` (into CuPy's disk cache, recorded in the index)
+    or offline for `arch`; print a line per kernel and exit 1 if any failed."""
+    jobs = min(jobs, len(variants))
+    click.echo(f"{header}: {len(variants)} kernels, {jobs} processes")
     results = {}
     start = time.perf_counter()
     with click.progressbar(length=len(variants), label="compile", file=sys.stderr,
                            item_show_func=lambda v: str(v) if v else None) as bar:
-        for variant, seconds, error in build.compile_in_processes(variants, jobs, info.id):
+        jobs_iter = (build.compile_in_processes(variants, jobs, arch=arch) if info is None else
+                     build.compile_in_processes(variants, jobs, info.id))
+        for variant, seconds, error in jobs_iter:
             results[variant] = (seconds, error)
-            if error is None:
-                build.record_compiled(variant, arch, seconds)
+            if error is None and info is not None:
+                build.record_compiled(variant, build.device_arch(info.capability), seconds)
             bar.update(1, variant)
     wall = time.perf_counter() - start
 

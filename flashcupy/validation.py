@@ -51,8 +51,8 @@ def dtype_name(dtype) -> str:
     return SUPPORTED_DTYPES[dtype]
 
 
-def check_forward_inputs(q: ArraySpec, k: ArraySpec, v: ArraySpec, softmax_scale) -> None:
-    """Validate q, k, v of shape (batch, seqlen, nheads, headdim) and the softmax scale."""
+def check_forward_inputs(q: ArraySpec, k: ArraySpec, v: ArraySpec) -> None:
+    """Validate q, k, v of shape (batch, seqlen, nheads, headdim)."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         if len(a.shape) != 4:
             raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, nheads, headdim); "
@@ -83,7 +83,6 @@ def check_forward_inputs(q: ArraySpec, k: ArraySpec, v: ArraySpec, softmax_scale
                          f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
     for name, a in (("q", q), ("k", k), ("v", v)):
         _check_row_layout(name, a)
-    check_softmax_scale(softmax_scale)
 
 
 def check_softmax_scale(softmax_scale) -> None:
@@ -109,10 +108,10 @@ def check_pointer_alignment(name: str, ptr: int) -> None:
 
 
 def check_backward_inputs(dout: ArraySpec, q: ArraySpec, k: ArraySpec, v: ArraySpec, out: ArraySpec,
-                          softmax_lse: ArraySpec, softmax_scale, grads: dict) -> None:
+                          softmax_lse: ArraySpec, grads: dict) -> None:
     """Validate the backward's arguments against q, k, v; `grads` maps "dq"/"dk"/"dv" to the
     ArraySpec of a caller-provided output (or None)."""
-    check_forward_inputs(q, k, v, softmax_scale)
+    check_forward_inputs(q, k, v)
     for name, a in (("dout", dout), ("out", out)):
         if a.shape != q.shape:
             raise ValueError(f"{name} must have the shape of q {q.shape}; got {a.shape}")
@@ -195,15 +194,19 @@ def check_band(causal, window_size, alignment) -> None:
         raise ValueError(f"alignment must be one of {ALIGNMENTS}; got {alignment!r}")
 
 
-def check_score_mods(softcap, alibi_slopes: ArraySpec | None, sinks: ArraySpec | None, batch: int, nheads: int,
-                     device) -> None:
-    """softcap >= 0 (0: off); alibi_slopes float32 (nheads,) or (batch, nheads); sinks float32 (nheads,)."""
+def check_softcap(softcap) -> None:
+    """softcap >= 0, finite and representable in float32 (0: off)."""
     try:
         value = float(softcap)
     except (TypeError, ValueError):
         raise TypeError(f"softcap must be a number >= 0 (0: off); got {softcap!r}") from None
     if not (value >= 0 and math.isfinite(value)) or value > float(np.finfo(np.float32).max):
         raise ValueError(f"softcap must be a finite number >= 0 (0: off); got {softcap!r}")
+
+
+def check_score_mods(alibi_slopes: ArraySpec | None, sinks: ArraySpec | None, batch: int, nheads: int,
+                     device) -> None:
+    """alibi_slopes float32 (nheads,) or (batch, nheads); sinks float32 (nheads,)."""
     for name, a, shapes in (("alibi_slopes", alibi_slopes, ((nheads,), (batch, nheads))),
                             ("sinks", sinks, ((nheads,),))):
         if a is None:

@@ -1,33 +1,17 @@
 """Every kernel instance compiles with NVRTC, on the CPU (no GPU needed)."""
 
+import dataclasses
 import os
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from flashcupy import build, configs
-
-
-def _variants():
-    seen = {}  # the dispatcher's choices on Ampere (large and small shared memory) and Hopper
-    for capability in (80, 86, 90):
-        for v in configs.all_fwd_variants(capability) + configs.all_bwd_variants(capability):
-            seen[v] = None
-    return list(seen)
+from flashcupy import build, registry, sm80
 
 
 def _compile_cases():
-    """Every instance Hopper's dispatcher picks, each once: bfloat16 for sm_90a, float16 for sm_80,
-    so each dtype and each arch path (red.v4 on sm90, two v2 reds before) is built with every mask,
-    score-mod and deterministic setting. Then the tiles only Ampere picks (small shared memory),
-    for sm_80, in their plain instances (score mods and deterministic mode add no tile-dependent
-    code). Compiling everything for both archs took CI over a quarter of an hour."""
-    hopper = configs.all_fwd_variants(90) + configs.all_bwd_variants(90)
-    cases = [(v, "sm_90a" if v.dtype == "bfloat16" else "sm_80") for v in hopper]
-    ampere_only = {v: None for c in (80, 86) for v in configs.all_fwd_variants(c) + configs.all_bwd_variants(c)
-                   if v not in set(hopper) and not getattr(v, "score_mod", False)
-                   and not getattr(v, "deterministic", False)}
-    return cases + [(v, "sm_80") for v in ampere_only]
+    """Each family's CI cases (registry.Family.ci_cases), each (variant, arch) once."""
+    return list(dict.fromkeys(case for family in registry.families() for case in family.ci_cases()))
 
 
 CASES = _compile_cases()
@@ -50,9 +34,20 @@ def compile_results():
         return dict(zip(CASES, pool.map(_compile, CASES, chunksize=4)))
 
 
-def test_every_kernel_family_is_covered():
-    names = {v.name_expression.split("<")[0] for v in _variants()}
-    assert names == {"flash_fwd_kernel", "flash_bwd_kernel", *configs.BWD_HELPER_KERNELS}
+def test_every_kernel_is_covered():
+    """Every variant the families can pick on Ampere (large and small shared memory) and Hopper is
+    compiled: for its arch, or its plain instance with the same tiles."""
+    compiled = {v for v, _ in CASES}
+    for family in registry.families():
+        for capability in (80, 86, 90):
+            for v in family.variants(capability):
+                plain = v
+                for flag in ("score_mod", "deterministic"):
+                    if getattr(v, flag, False):
+                        plain = dataclasses.replace(plain, **{flag: False})
+                assert v in compiled or plain in compiled, v
+    names = {v.name_expression.split("<")[0] for v in compiled}
+    assert names == {"flash_fwd_kernel", "flash_bwd_kernel", *sm80.BWD_HELPER_KERNELS}
 
 
 def test_sources_inline_their_headers():
@@ -83,7 +78,7 @@ def test_variant_compiles(compile_results, case):
 
 
 def test_compile_error_names_variant_and_shows_log():
-    bad = configs.FwdVariant(48, configs.FwdTile(64, 64, 4), "none", "float16")  # violates static_assert
+    bad = sm80.FwdVariant(48, sm80.FwdTile(64, 64, 4), "none", "float16")  # violates static_assert
     with pytest.raises(build.KernelCompileError) as info:
         build.compile_cubin(bad, "sm_80")
     msg = str(info.value)

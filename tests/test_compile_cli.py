@@ -9,7 +9,7 @@ import pickle
 import pytest
 
 import cli
-from flashcupy import build, configs, device
+from flashcupy import build, configs, device, sm80
 from flashcupy.device import DeviceInfo
 from cli_helpers import FAKE_GPU, invoke, on_gpu
 
@@ -72,18 +72,18 @@ def test_info_has_verbose_option():
 
 @pytest.mark.parametrize("capability", [80, 86, 89, 90])
 def test_variant_lists_match_configs_without_opt_in(capability):
-    assert cli.fwd_variants(capability) == configs.all_fwd_variants(capability)
-    assert cli.bwd_variants(capability) == configs.all_bwd_variants(capability)
+    assert cli.fwd_variants(capability) == sm80.Sm80Forward().variants(capability)
+    assert cli.bwd_variants(capability) == sm80.Sm80Backward().variants(capability)
 
 
 def test_variant_lists_follow_the_devices_opt_in():
     """An sm_90 part that grants only 99 KiB per block gets the small-smem tiles, as the dispatcher does."""
     small = 99 * 1024
-    assert cli.fwd_variants(90, small) == configs.all_fwd_variants(86)
-    assert cli.bwd_variants(90, small) == configs.all_bwd_variants(86)
-    assert cli.fwd_variants(90, small) != configs.all_fwd_variants(90)
+    assert cli.fwd_variants(90, small) == sm80.Sm80Forward().variants(86)
+    assert cli.bwd_variants(90, small) == sm80.Sm80Backward().variants(86)
+    assert cli.fwd_variants(90, small) != sm80.Sm80Forward().variants(90)
     for v in cli.fwd_variants(90, small):
-        assert v == configs.fwd_variant(v.head_dim, v.dtype, v.mask, 90, small, v.score_mod)
+        assert v == sm80.fwd_variant(v.head_dim, v.dtype, v.mask, 90, small, v.score_mod)
         assert v.smem_bytes <= small
 
 
@@ -94,7 +94,7 @@ def test_variant_lists_filter():
     bwd = cli.bwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), masks=("causal",), deterministic=(False,),
                            score_mods=(False,))
     assert [v.name_expression.split("<")[0] for v in bwd] == [
-        "flash_bwd_kernel", *configs.BWD_HELPER_KERNELS]
+        "flash_bwd_kernel", *sm80.BWD_HELPER_KERNELS]
 
 
 def test_variants_pickle():
@@ -118,7 +118,7 @@ def test_cache_dir_follows_cupy(monkeypatch, tmp_path):
 
 def test_record_and_cached(cache):
     assert build.cached_variants() == []  # no file yet
-    fwd, bwd = configs.fwd_variant(64, "bfloat16", "causal", 90), configs.bwd_variant(128, "float16", "none", True, 80)
+    fwd, bwd = sm80.fwd_variant(64, "bfloat16", "causal", 90), sm80.bwd_variant(128, "float16", "none", True, 80)
     entry = build.record_compiled(fwd, "sm_90", seconds=1.23456)
     build.record_compiled(bwd, "sm_80")
     assert entry["name_expression"] == fwd.name_expression and entry["source"] == "fwd.cu"
@@ -148,13 +148,13 @@ def test_corrupt_index_is_empty_and_rewritten(cache, text):
     cache.mkdir()
     (cache / build.INDEX_NAME).write_text(text, errors="surrogateescape")
     assert build.read_index() == {} and build.cached_variants() == []
-    variant = configs.fwd_variant(32, "float16", "none", 90)
+    variant = sm80.fwd_variant(32, "float16", "none", 90)
     build.record_compiled(variant, "sm_90")
     assert [e["name_expression"] for e in build.cached_variants()] == [variant.name_expression]
 
 
 def test_malformed_entries_are_skipped(cache):
-    variant = configs.fwd_variant(32, "float16", "none", 90)
+    variant = sm80.fwd_variant(32, "float16", "none", 90)
     build.record_compiled(variant, "sm_90")
     path = cache / build.INDEX_NAME
     document = json.loads(path.read_text())
@@ -167,7 +167,7 @@ def test_malformed_entries_are_skipped(cache):
 
 
 def test_stale_source_hash_is_not_cached(cache, monkeypatch):
-    fwd, bwd = configs.fwd_variant(64, "bfloat16", "none", 90), configs.bwd_variant(64, "bfloat16", "none", False, 90)
+    fwd, bwd = sm80.fwd_variant(64, "bfloat16", "none", 90), sm80.bwd_variant(64, "bfloat16", "none", False, 90)
     build.record_compiled(fwd, "sm_90")
     build.record_compiled(bwd, "sm_90")
     load_source = build.load_source
@@ -182,7 +182,7 @@ def test_stale_source_hash_is_not_cached(cache, monkeypatch):
 def test_nothing_recorded_when_cupy_caches_in_memory(cache, monkeypatch):
     monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")
     assert not build.disk_cache_enabled()
-    assert build.record_compiled(configs.fwd_variant(64, "bfloat16", "none", 90), "sm_90") is None
+    assert build.record_compiled(sm80.fwd_variant(64, "bfloat16", "none", 90), "sm_90") is None
     assert not cache.exists()
     monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "0")
     assert build.disk_cache_enabled()
@@ -190,7 +190,7 @@ def test_nothing_recorded_when_cupy_caches_in_memory(cache, monkeypatch):
 
 def test_worker_pool_reports_each_variant(cache):
     """The real spawn pool with one worker: on the CPU the worker's error comes back as text."""
-    variant = configs.fwd_variant(64, "bfloat16", "none", 90)
+    variant = sm80.fwd_variant(64, "bfloat16", "none", 90)
     ((got, seconds, error),) = list(build.compile_in_processes([variant], jobs=4))
     assert got == variant
     if device.gpu_available():
@@ -212,9 +212,9 @@ class FakePool:
         self.fail = set(fail)
         self.calls = []
 
-    def __call__(self, variants, jobs, device_id=None):
+    def __call__(self, variants, jobs, device_id=None, arch=None):
         variants = list(variants)
-        self.calls.append((variants, jobs, device_id))
+        self.calls.append((variants, jobs, device_id if arch is None else arch))
         for n, v in enumerate(reversed(variants)):
             if v in self.fail:
                 yield v, None, f"KernelCompileError: NVRTC failed to compile {v}:\nerror: boom"
@@ -286,7 +286,7 @@ def test_info_counts_and_marks_cached_kernels(cache, fake_gpu):
     for v in (forward[2], forward[5], backward[0]):
         build.record_compiled(v, "sm_90")
     build.record_compiled(forward[7], "sm_80")  # another arch's binary does not count here
-    build.record_compiled(configs.fwd_variant(256, "bfloat16", "none", 86), "sm_90")  # a tile this GPU never picks
+    build.record_compiled(sm80.fwd_variant(256, "bfloat16", "none", 86), "sm_90")  # a tile this GPU never picks
     result = invoke("info")
     assert result.exit_code == 0, result.output
     out = result.stdout
@@ -311,8 +311,8 @@ def test_info_with_everything_cached(cache, fake_gpu):
 
 
 def test_check_and_bench_record_what_the_process_compiled(cache, fake_gpu, monkeypatch):
-    forward = configs.fwd_variant(64, "bfloat16", "none", 90, FAKE_GPU.smem_per_block_optin)
-    other_device = configs.fwd_variant(128, "bfloat16", "none", 90)
+    forward = sm80.fwd_variant(64, "bfloat16", "none", 90, FAKE_GPU.smem_per_block_optin)
+    other_device = sm80.fwd_variant(128, "bfloat16", "none", 90)
     monkeypatch.setattr(build, "compiled_variants", lambda: [(0, forward), (1, other_device)])
     cli._record_process_kernels(FAKE_GPU)
     assert [e["name_expression"] for e in build.cached_variants("sm_90")] == [forward.name_expression]

@@ -1,8 +1,8 @@
-"""Tile table and launch planner, on the CPU."""
+"""The sm80 families' tile table and launch plans, and the band planner, on the CPU."""
 
 import pytest
 
-from flashcupy import configs, launch
+from flashcupy import configs, launch, problem, sm80
 
 CAPABILITIES = [80, 86, 89, 90]
 
@@ -10,7 +10,7 @@ CAPABILITIES = [80, 86, 89, 90]
 @pytest.mark.parametrize("capability", CAPABILITIES)
 def test_every_variant_fits_shared_memory(capability):
     limit = configs.smem_limit(capability)
-    variants = configs.all_fwd_variants(capability)
+    variants = sm80.Sm80Forward().variants(capability)
     assert len(variants) == len(configs.SUPPORTED_HEAD_DIMS) * 2 * len(configs.MASKS) * 2  # x score_mod
     for v in variants:
         assert v.smem_bytes <= limit, f"{v} needs {v.smem_bytes} B of shared memory, {limit} available"
@@ -21,9 +21,9 @@ def test_every_variant_fits_shared_memory(capability):
 @pytest.mark.parametrize("capability", CAPABILITIES)
 def test_every_backward_variant_fits(capability):
     limit = configs.smem_limit(capability)
-    for v in configs.all_bwd_variants(capability):
+    for v in sm80.Sm80Backward().variants(capability):
         assert v.smem_bytes <= limit, f"{v} needs {v.smem_bytes} B of shared memory, {limit} available"
-        if isinstance(v, configs.BwdVariant):
+        if isinstance(v, sm80.BwdVariant):
             t = v.tile
             key_groups = t.block_n // 16
             assert t.num_warps % key_groups == 0 and (v.head_dim // (t.num_warps // key_groups)) % 16 == 0
@@ -32,20 +32,20 @@ def test_every_backward_variant_fits(capability):
 
 
 def test_backward_plans_cover_rows_and_keys():
-    v = configs.bwd_variant(128, "bfloat16", "causal", True, 90)
-    plans = launch.plan_backward(v, batch=3, nheads=5, seqlen_q=1000, seqlen_k=777)
+    v = sm80.bwd_variant(128, "bfloat16", "causal", True, 90)
+    plans = sm80.plan_backward(v, batch=3, nheads=5, seqlen_q=1000, seqlen_k=777)
     num_n = -(-777 // v.tile.block_n)
     assert plans.main.grid == (num_n * 5 * 3, 1, 1) and plans.main.smem_bytes == v.smem_bytes
-    assert plans.preprocess.grid[0] * launch.PREPROCESS_ROWS_PER_BLOCK >= 3 * 5 * 1000
-    assert plans.convert_dq.grid[0] * launch.CONVERT_THREADS * 8 >= 3 * 1000 * 5 * 128
+    assert plans.preprocess.grid[0] * sm80.PREPROCESS_ROWS_PER_BLOCK >= 3 * 5 * 1000
+    assert plans.convert_dq.grid[0] * sm80.CONVERT_THREADS * 8 >= 3 * 1000 * 5 * 128
     assert plans.semaphores == (3, 5, -(-1000 // v.tile.block_m))
     # GQA 5 -> 1 kv head; varlen: helpers run over the packed rows, the main grid over the longest sequence
-    packed = launch.plan_backward(v, batch=3, nheads=5, seqlen_q=1000, seqlen_k=777, nheads_k=1, rows_q=1500,
+    packed = sm80.plan_backward(v, batch=3, nheads=5, seqlen_q=1000, seqlen_k=777, nheads_k=1, rows_q=1500,
                                   rows_k=1200)
     assert packed.main == plans.main
-    assert packed.preprocess.grid[0] == -(-1500 * 5 // launch.PREPROCESS_ROWS_PER_BLOCK)
-    assert packed.convert_dq.grid[0] == -(-1500 * 5 * 128 // 8 // launch.CONVERT_THREADS)
-    assert packed.group_sum.grid[0] == -(-1200 * 1 * 128 // 8 // launch.CONVERT_THREADS)
+    assert packed.preprocess.grid[0] == -(-1500 * 5 // sm80.PREPROCESS_ROWS_PER_BLOCK)
+    assert packed.convert_dq.grid[0] == -(-1500 * 5 * 128 // 8 // sm80.CONVERT_THREADS)
+    assert packed.group_sum.grid[0] == -(-1200 * 1 * 128 // 8 // sm80.CONVERT_THREADS)
     blocks = {launch.block_coords(x, plans.main.grid[0], num_n, 5, True, False) for x in range(plans.main.grid[0])}
     assert blocks == {(n, h, b) for n in range(num_n) for h in range(5) for b in range(3)}
     # causal: key block 0 (the one every q block sees) of every head goes first
@@ -53,44 +53,44 @@ def test_backward_plans_cover_rows_and_keys():
 
 
 def test_backward_name_expression():
-    v = configs.bwd_variant(64, "float16", "none", True, 90)
+    v = sm80.bwd_variant(64, "float16", "none", True, 90)
     t = v.tile
     assert v.name_expression == (f"flash_bwd_kernel<64, {t.block_m}, {t.block_n}, {t.num_warps}, {t.stages}, "
                                  "false, false, false, true, false>")
-    mod = configs.bwd_variant(64, "float16", "local", False, 90, score_mod=True)
+    mod = sm80.bwd_variant(64, "float16", "local", False, 90, score_mod=True)
     assert mod.name_expression.endswith("false, true, false, false, true>") and "+score_mod" in str(mod)
 
 
 def test_smem_limit_falls_back_to_smaller_tile():
-    big = configs.fwd_tile(256, 90)
-    small = configs.fwd_tile(256, 86)
-    assert configs.fwd_smem_bytes(256, big) > configs.smem_limit(86) >= configs.fwd_smem_bytes(256, small)
+    big = sm80.fwd_tile(256, 90)
+    small = sm80.fwd_tile(256, 86)
+    assert sm80.fwd_smem_bytes(256, big) > configs.smem_limit(86) >= sm80.fwd_smem_bytes(256, small)
 
 
 def test_unsupported_capability_and_head_dim():
     with pytest.raises(ValueError, match="compute capability 7.5"):
-        configs.fwd_tile(64, 75)
+        sm80.fwd_tile(64, 75)
     with pytest.raises(ValueError, match="supported head dims"):
-        configs.fwd_tile(48, 90)
+        sm80.fwd_tile(48, 90)
 
 
 def test_name_expression_carries_template_arguments():
-    v = configs.fwd_variant(128, "bfloat16", "causal", 90)
+    v = sm80.fwd_variant(128, "bfloat16", "causal", 90)
     t = v.tile
     assert v.name_expression == (f"flash_fwd_kernel<128, {t.block_m}, {t.block_n}, {t.num_warps}, true, false, true, "
                                  "false>")
-    local = configs.fwd_variant(128, "float16", "local", 90, score_mod=True)
+    local = sm80.fwd_variant(128, "float16", "local", 90, score_mod=True)
     assert local.name_expression.endswith("false, true, false, true>")
     with pytest.raises(ValueError, match="mask must be one of"):
-        configs.fwd_variant(128, "float16", True, 90)
+        sm80.fwd_variant(128, "float16", True, 90)
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)
 @pytest.mark.parametrize("seqlen_q", [1, 17, 63, 64, 65, 127, 128, 129, 1000, 4099])
 def test_planner_covers_every_query_row_once(capability, seqlen_q):
     batch, nheads = 3, 5
-    for v in configs.all_fwd_variants(capability):
-        plan = launch.plan_forward(v, batch=batch, nheads=nheads, seqlen_q=seqlen_q)
+    for v in sm80.Sm80Forward().variants(capability):
+        plan = sm80.plan_forward(v, batch=batch, nheads=nheads, seqlen_q=seqlen_q)
         assert plan.block == (v.tile.threads, 1, 1) and plan.smem_bytes == v.smem_bytes
         num_m = -(-seqlen_q // v.tile.block_m)
         covered = []
@@ -104,30 +104,29 @@ def test_planner_covers_every_query_row_once(capability, seqlen_q):
 
 
 def test_causal_launch_order_is_heaviest_first():
-    v = configs.fwd_variant(64, "float16", "causal", 90)
-    plan = launch.plan_forward(v, batch=2, nheads=3, seqlen_q=1000)
+    v = sm80.fwd_variant(64, "float16", "causal", 90)
+    plan = sm80.plan_forward(v, batch=2, nheads=3, seqlen_q=1000)
     num_m = -(-1000 // v.tile.block_m)
     order = [launch.block_coords(x, plan.grid[0], num_m, 3, True, True)[0] for x in range(plan.grid[0])]
     assert order == sorted(order, reverse=True) and order[0] == num_m - 1
 
 
 def test_planner_rejects_grid_overflow():
-    v = configs.fwd_variant(64, "float16", "none", 90)
+    v = sm80.fwd_variant(64, "float16", "none", 90)
     with pytest.raises(ValueError, match="grid limit"):
-        launch.plan_forward(v, batch=65536, nheads=1024, seqlen_q=65536)
+        sm80.plan_forward(v, batch=65536, nheads=1024, seqlen_q=65536)
 
 
 def test_band_parameters():
-    assert launch.plan_band(False, (-1, -1), "bottom_right", 100, 300).mask == "none"
-    top_left_none = launch.plan_band(False, (-1, -1), "top_left", 100, 300)
+    assert problem.plan_band(False, (-1, -1), "bottom_right", 100, 300).mask == "none"
+    top_left_none = problem.plan_band(False, (-1, -1), "top_left", 100, 300)
     assert (top_left_none.mask, top_left_none.bottom_right) == ("none", False)  # ALiBi reads the alignment
-    assert launch.plan_band(True, (-1, -1), "bottom_right", 100, 300).mask == "causal"
-    top_left = launch.plan_band(True, (-1, -1), "top_left", 100, 300)
+    assert problem.plan_band(True, (-1, -1), "bottom_right", 100, 300).mask == "causal"
+    top_left = problem.plan_band(True, (-1, -1), "top_left", 100, 300)
     assert (top_left.mask, top_left.bottom_right, top_left.right, top_left.left) == ("local", False, 0, 400 + 256)
-    windowed = launch.plan_band(True, (16, -1), "bottom_right", 100, 300)
+    windowed = problem.plan_band(True, (16, -1), "bottom_right", 100, 300)
     assert (windowed.mask, windowed.bottom_right, windowed.left, windowed.right) == ("local", True, 16, 0)
-    assert [int(x) for x in windowed.kernel_args()] == [1, 16, 0]
-    right_only = launch.plan_band(False, (-1, 8), "bottom_right", 300, 100)
+    right_only = problem.plan_band(False, (-1, 8), "bottom_right", 300, 100)
     assert (right_only.mask, right_only.bottom_right, right_only.right, right_only.left) == ("local", True, 8, 400 + 256)
     with pytest.raises(ValueError, match="too large"):
-        launch.plan_band(False, (1, 1), "bottom_right", 2**29, 2**29)
+        problem.plan_band(False, (1, 1), "bottom_right", 2**29, 2**29)

@@ -22,11 +22,11 @@ def good(**kw):
 
 
 def test_valid_inputs_pass():
-    check_forward_inputs(*good(), None)
-    check_forward_inputs(*good(dtype=BF16), 0.125)
+    check_forward_inputs(*good())
+    check_forward_inputs(*good(dtype=BF16))
     q = spec((2, 100, 8, 128))
     kv = spec((2, 50, 2, 128))  # GQA
-    check_forward_inputs(q, kv, kv, None)
+    check_forward_inputs(q, kv, kv)
 
 
 def test_spec_of_numpy_array_uses_element_strides():
@@ -41,67 +41,69 @@ def test_wrong_rank_names_argument(which):
     bad = spec((2, 100, 64))
     args = {"q": q, "k": k, "v": v, which: bad}
     with pytest.raises(ValueError, match=rf"^{which} must have 4 dimensions"):
-        check_forward_inputs(args["q"], args["k"], args["v"], None)
+        check_forward_inputs(args["q"], args["k"], args["v"])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int8])
 def test_unsupported_dtype(dtype):
     q, k, v = good()
     with pytest.raises(TypeError, match=r"q has dtype .* float16 and bfloat16"):
-        check_forward_inputs(spec(q.shape, dtype), k, v, None)
+        check_forward_inputs(spec(q.shape, dtype), k, v)
 
 
 def test_mixed_dtypes():
     q, k, v = good()
     with pytest.raises(TypeError, match="one dtype"):
-        check_forward_inputs(q, spec(k.shape, BF16), v, None)
+        check_forward_inputs(q, spec(k.shape, BF16), v)
 
 
 def test_mismatched_shapes():
     q, k, v = good()
     with pytest.raises(ValueError, match="k has batch size 3"):
-        check_forward_inputs(q, spec((3, 77, 8, 64)), v, None)
+        check_forward_inputs(q, spec((3, 77, 8, 64)), v)
     with pytest.raises(ValueError, match="v has head dim 128"):
-        check_forward_inputs(q, k, spec((2, 77, 8, 128)), None)
+        check_forward_inputs(q, k, spec((2, 77, 8, 128)))
     with pytest.raises(ValueError, match="same seqlen"):
-        check_forward_inputs(q, k, spec((2, 78, 8, 64)), None)
+        check_forward_inputs(q, k, spec((2, 78, 8, 64)))
     with pytest.raises(ValueError, match=r"heads in k/v \(3\) must divide"):
         kv = spec((2, 77, 3, 64))
-        check_forward_inputs(q, kv, kv, None)
+        check_forward_inputs(q, kv, kv)
 
 
 def test_unsupported_head_dim_lists_supported():
     q = spec((1, 10, 2, 80))
     with pytest.raises(ValueError, match=r"head dim 80 is not supported; supported head dims: 32, 64, 96, 128, 192, 256"):
-        check_forward_inputs(q, q, q, None)
+        check_forward_inputs(q, q, q)
 
 
 def test_noncontiguous_last_dim():
     q, k, v = good()
     bad = spec(q.shape, strides=(100 * 8 * 128, 8 * 128, 128, 2))
     with pytest.raises(ValueError, match="q must be contiguous in its last dimension"):
-        check_forward_inputs(bad, k, v, None)
+        check_forward_inputs(bad, k, v)
 
 
 def test_unaligned_strides():
     q, k, v = good()
     bad = spec(k.shape, strides=(77 * 8 * 65, 8 * 65, 65, 1))
     with pytest.raises(ValueError, match="k strides .* multiples of 8"):
-        check_forward_inputs(q, bad, v, None)
+        check_forward_inputs(q, bad, v)
 
 
 def test_different_devices():
     q, k, v = good()
     with pytest.raises(ValueError, match="one device"):
-        check_forward_inputs(q, k, spec(v.shape, device=1), None)
+        check_forward_inputs(q, k, spec(v.shape, device=1))
 
 
 @pytest.mark.parametrize("scale", [0, -1.0, float("nan"), float("inf")])
 def test_bad_softmax_scale(scale):
+    from flashcupy.problem import AttentionOptions
+
     with pytest.raises(ValueError, match="softmax_scale must be a positive"):
         check_softmax_scale(scale)
     with pytest.raises(ValueError, match="softmax_scale"):
-        check_forward_inputs(*good(), scale)
+        AttentionOptions(softmax_scale=scale)
 
 
 def test_softmax_scale_type():
@@ -126,7 +128,7 @@ def test_unknown_object_refused():
 
 def test_empty_arrays_pass_layout_checks():
     q = spec((0, 16, 2, 64), strides=(0, 0, 0, 0))
-    check_forward_inputs(q, q, q, None)
+    check_forward_inputs(q, q, q)
 
 
 def test_softmax_scale_must_fit_float32():
@@ -143,7 +145,7 @@ def test_fractional_byte_strides_refused():
     odd = ArraySpec.of(Strided(), device=0)
     assert odd.strides[1] == 64.5  # kept fractional, not floored to 64
     with pytest.raises(ValueError, match="q has byte strides that are not whole multiples of its item size"):
-        check_forward_inputs(odd, odd, odd, None)
+        check_forward_inputs(odd, odd, odd)
 
 
 def test_overlapping_outputs_refused():
@@ -152,12 +154,12 @@ def test_overlapping_outputs_refused():
     q = spec((2, 100, 8, 64))
     kv = spec((2, 77, 8, 64))
     lse = ArraySpec((2, 8, 100), np.dtype(np.float32), (800, 100, 1), 0)
-    check_backward_inputs(q, q, kv, kv, q, lse, None, {"dq": q})
+    check_backward_inputs(q, q, kv, kv, q, lse, {"dq": q})
     broadcast = spec((2, 100, 8, 64), strides=(0, 0, 0, 1))
     with pytest.raises(ValueError, match="dk has overlapping elements"):  # heads 8 elements apart, d = 64
-        check_backward_inputs(q, q, kv, kv, q, lse, None, {"dk": spec((2, 77, 8, 64), strides=(77 * 64, 64, 8, 1))})
+        check_backward_inputs(q, q, kv, kv, q, lse, {"dk": spec((2, 77, 8, 64), strides=(77 * 64, 64, 8, 1))})
     with pytest.raises(ValueError, match="dq has overlapping elements"):
-        check_backward_inputs(q, q, kv, kv, q, lse, None, {"dq": broadcast})
+        check_backward_inputs(q, q, kv, kv, q, lse, {"dq": broadcast})
 
 
 def test_band_options():
@@ -181,12 +183,14 @@ def test_band_options():
 
 
 def test_score_mod_options():
-    from flashcupy.validation import check_score_mods
+    from flashcupy.validation import check_score_mods, check_softcap
 
     f32 = np.float32
-    check_score_mods(0.0, None, None, 2, 8, 0)
-    check_score_mods(30, spec((8,), f32), spec((8,), f32), 2, 8, 0)
-    check_score_mods(0, spec((2, 8), f32), None, 2, 8, 0)
+    check_score_mods(None, None, 2, 8, 0)
+    check_score_mods(spec((8,), f32), spec((8,), f32), 2, 8, 0)
+    check_score_mods(spec((2, 8), f32), None, 2, 8, 0)
+    check_softcap(0.0)
+    check_softcap(30)
     cases = [
         (dict(softcap=-1.0), ValueError, "softcap must be a finite number >= 0"),
         (dict(softcap=float("inf")), ValueError, "softcap"),
@@ -202,7 +206,8 @@ def test_score_mod_options():
         args = dict(softcap=0.0, alibi=None, sinks=None)
         args.update(change)
         with pytest.raises(error, match=match):
-            check_score_mods(args["softcap"], args["alibi"], args["sinks"], 2, 8, 0)
+            check_softcap(args["softcap"])
+            check_score_mods(args["alibi"], args["sinks"], 2, 8, 0)
 
 
 def test_varlen_layout_and_cu_seqlens():

@@ -1,0 +1,80 @@
+// Kernel parameters: one struct per direction, passed by value (__grid_constant__) to every kernel
+// of that direction. flashcupy/params.py holds the same field table, fills it from the validated
+// problem, and CI compiles both layouts against each other (tests/test_params.py): a field added on
+// one side only fails CI. Keep one field per line, in the table's order.
+//
+// Tensors are (batch, seqlen, heads, headdim) with element strides and a contiguous head dim; a
+// packed varlen tensor is (total, heads, headdim) with batch stride 0 (seqlens.cuh).
+#pragma once
+#include "ptx.cuh"
+
+struct FwdParams {
+    const u16* q;                // (batch, seqlen_q, nheads,   headdim)
+    const u16* k;                // (batch, seqlen_k, nheads_k, headdim)
+    const u16* v;                // (batch, seqlen_k, nheads_k, headdim)
+    u16* out;                    // (batch, seqlen_q, nheads,   headdim)
+    float* lse;                  // (batch, nheads, seqlen_q), or varlen (nheads, total_q)
+    const int* cu_seqlens_q;     // varlen: (batch + 1) cumulative lengths; padded: null
+    const int* cu_seqlens_k;
+    const float* alibi_slopes;   // (nheads) or (batch, nheads); null: no ALiBi (score_mod.cuh)
+    const float* sinks;          // (nheads) sink logits; null: none
+    i64 q_batch_stride;
+    i64 q_row_stride;
+    i64 q_head_stride;
+    i64 k_batch_stride;
+    i64 k_row_stride;
+    i64 k_head_stride;
+    i64 v_batch_stride;
+    i64 v_row_stride;
+    i64 v_head_stride;
+    i64 o_batch_stride;
+    i64 o_row_stride;
+    i64 o_head_stride;
+    i64 lse_batch_stride;        // also D's (the backward's delta)
+    i64 lse_head_stride;
+    int max_seqlen_q;            // padded: every sequence's length; varlen: the longest (sizes the grid)
+    int max_seqlen_k;
+    int nheads;
+    int heads_per_kv_head;       // nheads / nheads_k (GQA)
+    int align_bottom_right;      // 1: band offset seqlen_k - seqlen_q of each sequence; 0: offset 0
+    int window_left;             // Is_local band bounds (mask.cuh)
+    int window_right;
+    int alibi_batch_stride;      // nheads for (batch, nheads) slopes, else 0
+    float softcap;               // 0: off
+    float softmax_scale;
+    float scale_log2;            // softmax_scale * log2(e)
+};
+
+struct BwdParams : FwdParams {   // out and lse are the forward's results here
+    const u16* dout;             // shape of q
+    float* delta;                // D = rowsum(dO * O), laid out as lse
+    float* dq_accum;             // (rows of q, nheads, headdim) float32, contiguous; zeroed by the preprocess
+    u16* dq;                     // shape of q
+    u16* dk;                     // (batch, seqlen_k, nheads, headdim): the main kernel's dK, one slice per
+    u16* dv;                     //   query head; with nheads_k == nheads the result itself
+    u16* dk_kv;                  // GQA: (batch, seqlen_k, nheads_k, headdim), dk summed per kv head
+    u16* dv_kv;
+    int* dq_semaphore;           // (batch, nheads, q blocks), zeroed; deterministic instances only, else null
+    i64 do_batch_stride;
+    i64 do_row_stride;
+    i64 do_head_stride;
+    i64 dq_batch_stride;
+    i64 dq_row_stride;
+    i64 dq_head_stride;
+    i64 dk_batch_stride;
+    i64 dk_row_stride;
+    i64 dk_head_stride;
+    i64 dv_batch_stride;
+    i64 dv_row_stride;
+    i64 dv_head_stride;
+    i64 dk_kv_batch_stride;
+    i64 dk_kv_row_stride;
+    i64 dk_kv_head_stride;
+    i64 dv_kv_batch_stride;
+    i64 dv_kv_row_stride;
+    i64 dv_kv_head_stride;
+    int rows_batch;              // the row-wise kernels' view: (rows_batch, rows_seqlen_q) rows of q and
+    int rows_seqlen_q;           //   (rows_batch, rows_seqlen_k) of k; a varlen batch is 1 x its packed rows
+    int rows_seqlen_k;
+    int nheads_k;
+};

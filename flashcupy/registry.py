@@ -1,0 +1,91 @@
+"""Kernel families and dispatch.
+
+A family is one way of computing one direction of attention on a kind of GPU: its module says which
+problems it serves on which device (and why not), picks its tiles, plans and launches its kernels,
+and lists the variants CI compiles and `flashcupy compile` / `check` cover. Dispatch takes the first
+family in FAMILIES that serves the problem; `backend=` (or the FLASHCUPY_BACKEND environment
+variable) forces one by name.
+
+A new family is one module (a Family subclass) and one kernel source, added to `_family_classes`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+class Family:
+    """Base of the kernel families; subclasses set the class attributes and the methods."""
+
+    name: str = ""       # what backend= names, e.g. "sm80"
+    direction: str = ""  # "fwd" or "bwd"
+    summary: str = ""    # one line for `flashcupy info`
+    archs: tuple = ()    # NVRTC targets its variants are built for (`flashcupy compile --arch`, CI)
+
+    def runs_on(self, capability: int) -> bool:
+        """Whether any problem can run on a device of this compute capability (e.g. 90)."""
+        raise NotImplementedError
+
+    def unsupported(self, problem, device) -> str | None:
+        """None when this family computes `problem` on `device` (a DeviceInfo), else the reason."""
+        raise NotImplementedError
+
+    def variant(self, problem, device):
+        """The kernel variant (tiles included) this family launches for `problem` on `device`."""
+        raise NotImplementedError
+
+    def variants(self, capability: int, smem_optin: int | None = None, **choice) -> list:
+        """Every variant the family may launch on a device of this capability; `choice` narrows it
+        (head_dims, dtypes, masks, score_mods, deterministic)."""
+        raise NotImplementedError
+
+    def ci_cases(self) -> list:
+        """(variant, NVRTC arch) pairs that CI compiles on the CPU."""
+        raise NotImplementedError
+
+    def run(self, problem, device, *arrays):
+        """Launch the kernels on CuPy's current stream (forward: q, k, v, out, lse; backward: dout,
+        q, k, v, out, lse, dq, dk, dv, returning D = rowsum(dO * O))."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{self.direction} family {self.name}>"
+
+
+def _family_classes() -> list:
+    from . import sm80
+
+    return [sm80.Sm80Forward, sm80.Sm80Backward]
+
+
+@functools.lru_cache(maxsize=None)
+def families(direction: str | None = None) -> tuple:
+    """The families in dispatch order, of one direction ("fwd", "bwd") or all."""
+    every = tuple(cls() for cls in _family_classes())
+    return every if direction is None else tuple(f for f in every if f.direction == direction)
+
+
+def family_names(direction: str | None = None) -> list:
+    return list(dict.fromkeys(f.name for f in families(direction)))
+
+
+def select(direction: str, problem, device, backend: str | None = None, source: str = "backend=") -> Family:
+    """The family that computes `problem`: the one named `backend` (an error if it does not serve the
+    problem), else the first that serves it. `source` names where `backend` came from, for errors."""
+    candidates = families(direction)
+    if backend is not None:
+        named = [f for f in candidates if f.name == backend]
+        if not named:
+            raise ValueError(f"{source} {backend!r} is not a {direction} kernel family; choose from "
+                             f"{', '.join(family_names(direction))}")
+        reason = named[0].unsupported(problem, device)
+        if reason is not None:
+            raise ValueError(f"{source} {backend!r} cannot compute this {direction}: {reason}")
+        return named[0]
+    reasons = []
+    for family in candidates:
+        reason = family.unsupported(problem, device)
+        if reason is None:
+            return family
+        reasons.append(f"{family.name}: {reason}")
+    raise ValueError(f"no {direction} kernel family serves this problem on {device.name} ({'; '.join(reasons)})")
