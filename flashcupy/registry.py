@@ -59,10 +59,13 @@ def _family_classes() -> list:
 
 
 @functools.lru_cache(maxsize=None)
+def _instances() -> tuple:
+    return tuple(cls() for cls in _family_classes())
+
+
 def families(direction: str | None = None) -> tuple:
     """The families in dispatch order, of one direction ("fwd", "bwd") or all."""
-    every = tuple(cls() for cls in _family_classes())
-    return every if direction is None else tuple(f for f in every if f.direction == direction)
+    return _instances() if direction is None else tuple(f for f in _instances() if f.direction == direction)
 
 
 def family_names(direction: str | None = None) -> list:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import REL_TOL, check_grads, check_lse, poison_pool, randn, rel_err, requires_gpu, to_host64
+from gpu_helpers import (REL_TOL, check_grads, check_grads_per_sequence, check_lse, poison_pool, randn, rel_err,
+                         requires_gpu, to_host64)
 
 pytestmark = requires_gpu
 
@@ -160,6 +161,48 @@ def test_varlen(dtype_name, head_dim, gqa, lengths_q, lengths_k, options):
         grads = flashcupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, *sizes, deterministic=deterministic,
                                                      **kw)
         check_grads(grads, refs, dtype_name, f"deterministic={deterministic}")
+
+
+SHORT_LENGTHS = (1, 2, 15, 16, 17, 300)
+
+
+@pytest.mark.parametrize("shift", range(len(SHORT_LENGTHS)))
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window_size": (64, 64)}], ids=["none", "causal", "window"])
+@pytest.mark.parametrize("nheads_k", [1, 4])
+def test_varlen_short_sequences_in_every_position(shift, options, nheads_k):
+    """Sequences of 1, 2, 15, 16 and 17 tokens (and one of 300) in every position of the batch,
+    checked one sequence at a time: a 1-token sequence has dq = dk = 0 exactly, and must come back
+    as zero up to rounding, wherever it sits."""
+    import cupy
+
+    import flashcupy
+    from flashcupy.reference import attention_varlen_bwd_ref, attention_varlen_ref
+
+    lengths = list(np.roll(SHORT_LENGTHS, shift))
+    nheads, head_dim, dtype_name = 4, 64, "float16"
+    rng = np.random.default_rng(100 * shift + nheads_k)
+    q = _packed(rng, lengths, nheads, head_dim, dtype_name)
+    k, v = (_packed(rng, lengths, nheads_k, head_dim, dtype_name) for _ in range(2))
+    dout = randn(rng, q.shape, dtype_name)
+    cu = _cu(lengths)
+    sizes = (cu, cu, max(lengths), max(lengths))
+    host = [to_host64(a) for a in (q, k, v, dout)]
+    cu_h = cupy.asnumpy(cu)
+
+    poison_pool((q.shape, q.dtype), ((nheads, q.shape[0]), cupy.float32))
+    out, lse = flashcupy.flash_attn_varlen_func(q, k, v, *sizes, return_lse=True, **options)
+    ref_out, ref_lse = attention_varlen_ref(*host[:3], cu_h, cu_h, **options)
+    out_h = to_host64(out)
+    for b in range(len(lengths)):
+        rows = slice(cu_h[b], cu_h[b + 1])
+        assert rel_err(out_h[rows], ref_out[rows]) < REL_TOL[dtype_name], (lengths, b)
+    check_lse(lse, ref_lse)
+    refs = attention_varlen_bwd_ref(host[3], *host[:3], cu_h, cu_h, **options)
+    for deterministic in (False, True):
+        poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (q.shape, cupy.float32))
+        grads = flashcupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, *sizes, deterministic=deterministic,
+                                                     **options)
+        check_grads_per_sequence(grads, refs, cu_h, cu_h, dtype_name, f"{lengths} deterministic={deterministic}")
 
 
 def test_varlen_many_sequences_and_heads():

@@ -1,0 +1,96 @@
+"""Kernel families and dispatch, on the CPU: which family serves a problem, and why not."""
+
+import pytest
+
+from flashcupy import api, registry, sm80
+from flashcupy.device import DeviceInfo
+from flashcupy.problem import BACKEND_ENV, AttentionOptions, Problem
+
+HOPPER = DeviceInfo(0, "H200", 90, 132, 227 * 1024, 141 << 30)
+TURING = DeviceInfo(0, "T4", 75, 40, 64 * 1024, 16 << 30)
+
+
+def sketch(head_dim=128, **options):
+    return Problem.sketch(head_dim, "bfloat16", AttentionOptions(**options))
+
+
+def test_every_direction_has_a_family_and_names_are_unique_per_direction():
+    for direction in ("fwd", "bwd"):
+        names = [f.name for f in registry.families(direction)]
+        assert names and len(names) == len(set(names))
+        assert all(f.direction == direction and f.summary and f.archs for f in registry.families(direction))
+    assert registry.families() == registry.families("fwd") + registry.families("bwd")
+
+
+def test_dispatch_takes_the_first_family_that_serves():
+    assert isinstance(registry.select("fwd", sketch(), HOPPER), sm80.Sm80Forward)
+    assert isinstance(registry.select("bwd", sketch(causal=True), HOPPER), sm80.Sm80Backward)
+
+
+def test_no_family_says_why():
+    with pytest.raises(ValueError, match=r"no fwd kernel family serves this problem on T4 \(sm80: needs compute "
+                                         r"capability 8.0 or newer; this GPU has 7.5\)"):
+        registry.select("fwd", sketch(), TURING)
+
+
+def test_forced_backend():
+    assert registry.select("fwd", sketch(), HOPPER, "sm80").name == "sm80"
+    with pytest.raises(ValueError, match=r"backend= 'sm99' is not a fwd kernel family; choose from sm80"):
+        registry.select("fwd", sketch(), HOPPER, "sm99")
+    with pytest.raises(ValueError, match=r"backend= 'sm80' cannot compute this bwd: needs compute capability"):
+        registry.select("bwd", sketch(), TURING, "sm80")
+
+
+class _Refuses(registry.Family):
+    name, direction, summary, archs = "picky", "fwd", "serves head dim 64 only", ("sm_90a",)
+
+    def runs_on(self, capability):
+        return capability == 90
+
+    def unsupported(self, problem, device):
+        return None if problem.head_dim == 64 else f"head dim {problem.head_dim} is not 64"
+
+
+def test_a_family_ahead_in_the_order_wins_where_it_serves(monkeypatch):
+    picky = _Refuses()
+    monkeypatch.setattr(registry, "families", lambda direction=None: (picky, sm80.Sm80Forward()))
+    assert registry.select("fwd", sketch(64), HOPPER) is picky
+    assert registry.select("fwd", sketch(128), HOPPER).name == "sm80"
+    with pytest.raises(ValueError, match="backend= 'picky' cannot compute this fwd: head dim 128 is not 64"):
+        registry.select("fwd", sketch(128), HOPPER, "picky")
+
+
+def test_environment_forces_where_a_direction_has_the_family(monkeypatch):
+    picky = _Refuses()
+    every = (picky, sm80.Sm80Forward(), sm80.Sm80Backward())
+    monkeypatch.setattr(registry, "families",
+                        lambda direction=None: every if direction is None else
+                        tuple(f for f in every if f.direction == direction))
+    monkeypatch.setenv(BACKEND_ENV, "sm80")
+    assert api._family("fwd", sketch(64), HOPPER).name == "sm80"  # forced past picky
+    monkeypatch.setenv(BACKEND_ENV, "picky")
+    assert api._family("fwd", sketch(64), HOPPER) is picky
+    assert api._family("bwd", sketch(64), HOPPER).name == "sm80"  # no backward named picky: automatic
+    monkeypatch.setenv(BACKEND_ENV, "nonesuch")
+    with pytest.raises(ValueError, match=f"{BACKEND_ENV}='nonesuch' names no kernel family"):
+        api._family("fwd", sketch(64), HOPPER)
+    # the argument wins over the environment, and must name a family of its direction
+    problem = Problem.sketch(64, "bfloat16", AttentionOptions(backend="picky"))
+    with pytest.raises(ValueError, match="backend= 'picky' is not a bwd kernel family"):
+        api._family("bwd", problem, HOPPER)
+
+
+def test_options_are_checked_once_where_they_are_given():
+    with pytest.raises(ValueError, match="softcap"):
+        AttentionOptions(softcap=-1)
+    with pytest.raises(TypeError, match="deterministic must be True or False"):
+        AttentionOptions(deterministic="yes")
+    with pytest.raises(TypeError, match="backend must be a kernel family's name"):
+        AttentionOptions(backend=80)
+    # the handle rejects bad options at construction, before any array exists
+    with pytest.raises(ValueError, match="window_size"):
+        api.FlashAttention(window_size=(-3, 0))
+    with pytest.raises(ValueError, match="softcap"):
+        api.FlashAttention(softcap=float("nan"))
+    with pytest.raises(TypeError, match="deterministic"):
+        api.FlashAttention(deterministic=None)
