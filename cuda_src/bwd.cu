@@ -229,6 +229,21 @@ template <int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool
           bool Is_bf16, bool Is_deterministic, bool Has_score_mod>
 __global__ void __launch_bounds__(kNWarps * 32, 1)
 flash_bwd_kernel(const __grid_constant__ BwdParams p) {  // params.cuh
+    // The tensors as restrict pointers: no two alias, and saying so keeps ptxas from spilling in the
+    // main loop (measured: 0 spills at d = 64, against 8 bytes with the struct's own pointers).
+    const u16* __restrict__ q = p.q;
+    const u16* __restrict__ k = p.k;
+    const u16* __restrict__ v = p.v;
+    const u16* __restrict__ dout = p.dout;
+    const float* __restrict__ lse = p.lse;
+    const float* __restrict__ delta = p.delta;
+    float* __restrict__ dq_accum = p.dq_accum;
+    u16* __restrict__ dk = p.dk;
+    u16* __restrict__ dv = p.dv;
+    int* __restrict__ dq_semaphore = p.dq_semaphore;
+    const int* __restrict__ cu_seqlens_q = p.cu_seqlens_q;
+    const int* __restrict__ cu_seqlens_k = p.cu_seqlens_k;
+    const float* __restrict__ alibi_slopes = p.alibi_slopes;
     using T = BwdTraits<kHeadDim, kBlockM, kBlockN, kNWarps, kStages>;
     constexpr float kLog2e = 1.4426950408889634f;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -246,12 +261,12 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {  // params.cuh
     // Causal: key block 0 sees every q block, so ascending key blocks are heaviest first.
     block_coords<Is_causal || Is_local, false>(blockIdx.x, (p.max_seqlen_k + kBlockN - 1) / kBlockN, p.nheads, n_block,
                                                head, batch);
-    const SeqLens seq(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.max_seqlen_q, p.max_seqlen_k);
+    const SeqLens seq(cu_seqlens_q, cu_seqlens_k, batch, p.max_seqlen_q, p.max_seqlen_k);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
     if (n_block * kBlockN >= seqlen_k) return;  // varlen: past this sequence's end
     const int band_offset = p.align_bottom_right ? seqlen_k - seqlen_q : 0;
     const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, p.window_left, p.window_right};
-    const ScoreMod mod(p.softmax_scale, p.softcap, p.alibi_slopes, p.alibi_batch_stride, batch, head, band_offset);
+    const ScoreMod mod(p.softmax_scale, p.softcap, alibi_slopes, p.alibi_batch_stride, batch, head, band_offset);
     const int kv_head = head / p.heads_per_kv_head;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
@@ -262,15 +277,15 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {  // params.cuh
     const int m_block_max = (mask.row_end(key0) + kBlockM - 1) / kBlockM;
 
     const i64 q_start = seq.q_start, k_row = i64(seq.k_start) + key0;
-    const u16* gQ = p.q + batch * p.q_batch_stride + head * p.q_head_stride + q_start * p.q_row_stride;
-    const u16* gdO = p.dout + batch * p.do_batch_stride + head * p.do_head_stride + q_start * p.do_row_stride;
-    const u16* gK = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride + k_row * p.k_row_stride;
-    const u16* gV = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride + k_row * p.v_row_stride;
-    const float* gLse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
-    const float* gDelta = p.delta + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
+    const u16* gQ = q + batch * p.q_batch_stride + head * p.q_head_stride + q_start * p.q_row_stride;
+    const u16* gdO = dout + batch * p.do_batch_stride + head * p.do_head_stride + q_start * p.do_row_stride;
+    const u16* gK = k + batch * p.k_batch_stride + kv_head * p.k_head_stride + k_row * p.k_row_stride;
+    const u16* gV = v + batch * p.v_batch_stride + kv_head * p.v_head_stride + k_row * p.v_row_stride;
+    const float* gLse = lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
+    const float* gDelta = delta + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
     // dq_accum rows: the packed rows (varlen) or max_seqlen_q per batch entry
-    const i64 dq_row0 = p.cu_seqlens_q ? q_start : i64(batch) * p.max_seqlen_q;
-    float* gdQ = p.dq_accum + (dq_row0 * p.nheads + head) * kHeadDim;
+    const i64 dq_row0 = cu_seqlens_q ? q_start : i64(batch) * p.max_seqlen_q;
+    float* gdQ = dq_accum + (dq_row0 * p.nheads + head) * kHeadDim;
     const i64 dq_row_stride = i64(p.nheads) * kHeadDim;
 
     const u32 sK_base = smem_u32(sK), sV_base = smem_u32(sV), sQ_base = smem_u32(sQ), sdO_base = smem_u32(sdO);
@@ -281,10 +296,12 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {  // params.cuh
     const TileLoader<kBlockM, kHeadDim, T::kThreads> do_loader(tid, p.do_row_stride);
 
     // Q_i, dO_i, LSE_i and D_i of q block m into stage `stage`. Rows past seqlen_q are zero-filled.
+    // (The lambda captures locals only: a reference to the params struct would take its address.)
+    const i64 q_row_stride = p.q_row_stride, do_row_stride = p.do_row_stride;
     auto load_q_block = [&](int m, int stage) {
         const int row0 = m * kBlockM, rows = seqlen_q - row0;
-        q_loader.load(sQ_base + stage * 2 * T::kSmemQ, gQ + row0 * p.q_row_stride, rows);
-        do_loader.load(sdO_base + stage * 2 * T::kSmemQ, gdO + row0 * p.do_row_stride, rows);
+        q_loader.load(sQ_base + stage * 2 * T::kSmemQ, gQ + row0 * q_row_stride, rows);
+        do_loader.load(sdO_base + stage * 2 * T::kSmemQ, gdO + row0 * do_row_stride, rows);
         for (int r = tid; r < kBlockM; r += T::kThreads) {
             const bool valid = r < rows;
             cp_async_4(sLse_base + (stage * kBlockM + r) * 4, gLse + (valid ? row0 + r : 0), valid ? 4 : 0);
@@ -426,7 +443,7 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {  // params.cuh
                 }
             }
         }
-        int* sem = p.dq_semaphore + (i64(batch) * p.nheads + head) * ((p.max_seqlen_q + kBlockM - 1) / kBlockM) + m_block;
+        int* sem = dq_semaphore + (i64(batch) * p.nheads + head) * ((p.max_seqlen_q + kBlockM - 1) / kBlockM) + m_block;
         // Deterministic: add in key-block order. The key blocks that reach q block i are a
         // contiguous range, from 0 or (Is_local) from the one holding key row0 + offset - left;
         // the semaphore counts the ones that have added, so block j waits for j - n_first.
@@ -486,8 +503,8 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {  // params.cuh
         }
     }
     __syncthreads();
-    store_tile<kBlockN, kHeadDim, T::kThreads>(p.dk + batch * p.dk_batch_stride + head * p.dk_head_stride + k_row * p.dk_row_stride,
+    store_tile<kBlockN, kHeadDim, T::kThreads>(dk + batch * p.dk_batch_stride + head * p.dk_head_stride + k_row * p.dk_row_stride,
                                                p.dk_row_stride, sK, keys_valid, tid);
-    store_tile<kBlockN, kHeadDim, T::kThreads>(p.dv + batch * p.dv_batch_stride + head * p.dv_head_stride + k_row * p.dv_row_stride,
+    store_tile<kBlockN, kHeadDim, T::kThreads>(dv + batch * p.dv_batch_stride + head * p.dv_head_stride + k_row * p.dv_row_stride,
                                                p.dv_row_stride, sV, keys_valid, tid);
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import struct as pystruct
 
 import numpy as np
 
@@ -69,17 +70,37 @@ def field_names(struct: str) -> list:
     return list(record_dtype(struct).names)
 
 
+_STRUCT_CODES = {np.dtype(PTR): "Q", np.dtype(I64): "q", np.dtype(I32): "i", np.dtype(F32): "f"}
+
+
+@functools.lru_cache(maxsize=None)
+def _packer(struct: str):
+    """(field names in layout order, a struct.Struct that writes them with the C padding)."""
+    dtype = record_dtype(struct)
+    fields = sorted(((dtype.fields[n][1], n, dtype.fields[n][0]) for n in dtype.names))
+    fmt, offset = "<", 0
+    for field_offset, _, field_dtype in fields:
+        fmt += "x" * (field_offset - offset) + _STRUCT_CODES[field_dtype]
+        offset = field_offset + field_dtype.itemsize
+    fmt += "x" * (dtype.itemsize - offset)
+    return tuple(n for _, n, _ in fields), pystruct.Struct(fmt)
+
+
 def pack(struct: str, values: dict) -> np.void:
     """A kernel argument: the struct with `values` (name -> value; arrays give their device pointer,
     None a null pointer). Every field must be given: a forgotten one is an error, not a zero."""
-    dtype = record_dtype(struct)
-    missing = set(dtype.names) - set(values)
-    extra = set(values) - set(dtype.names)
-    if missing or extra:
+    names, layout = _packer(struct)
+    if len(values) != len(names) or not all(n in values for n in names):
+        missing = set(names) - set(values)
+        extra = set(values) - set(names)
         raise KeyError(f"{struct}: missing fields {sorted(missing)}, unknown fields {sorted(extra)}")
-    row = tuple(0 if value is None else value.data.ptr if hasattr(value, "data") and hasattr(value.data, "ptr")
-                else value for value in (values[name] for name in dtype.names))
-    return np.array(row, dtype)[()]
+    row = [values[n] for n in names]
+    for i, value in enumerate(row):
+        if value is None:
+            row[i] = 0
+        elif not isinstance(value, (int, float, np.integer, np.floating)):
+            row[i] = value.data.ptr  # a device array
+    return np.frombuffer(layout.pack(*row), record_dtype(struct))[0]
 
 
 def strides(prefix: str, element_strides) -> dict:
