@@ -10,8 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-import cli
-from flashcupy import bench, device
+from flashcupy import bench, cli, device
 from flashcupy.device import NoGPUError
 from cli_helpers import invoke, on_gpu
 from gpu_helpers import rel_err
