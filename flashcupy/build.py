@@ -1,7 +1,7 @@
 """Kernel build layer: source loading, NVRTC options, variant instantiation, module cache.
 
-Sources live in ``cuda_src/`` beside the ``flashcupy`` package (in a checkout and in an installed
-wheel alike). Local ``#include "x.cuh"`` lines are inlined here, so the text handed to NVRTC is
+Sources live in ``flashcupy/cuda_src/`` when installed, in the top-level ``cuda_src/`` of a
+checkout. Local ``#include "x.cuh"`` lines are inlined here, so the text handed to NVRTC is
 the whole program: CuPy's on-disk cache keys on that text, and an edited header can never be
 served a stale binary.
 """
@@ -19,7 +19,17 @@ import threading
 import time
 from pathlib import Path
 
-SOURCE_DIR = Path(__file__).resolve().parent.parent / "cuda_src"
+
+def _find_source_dir() -> Path:
+    """flashcupy/cuda_src where a wheel put it; in a checkout (no such folder, setup.cfg one level
+    up) the repository's cuda_src. Never a top-level cuda_src of some other installation."""
+    package = Path(__file__).resolve().parent
+    if not (package / "cuda_src").is_dir() and (package.parent / "setup.cfg").is_file():
+        return package.parent / "cuda_src"
+    return package / "cuda_src"
+
+
+SOURCE_DIR = _find_source_dir()
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 

@@ -1,7 +1,9 @@
-"""Command line of flashcupy: `flashcupy bench | check | compile | info`.
+"""Command line of flashcupy: `flashcupy bench | check | compile | info`, also `python -m flashcupy`.
 
-Every command that needs a GPU checks for one first and, without one, says so in one line on
-stderr and exits with status 2.
+Every command that needs a GPU checks for one first and, without one, says in one line on stderr
+what is missing (CuPy, the NVIDIA driver, a driver recent enough for CuPy's CUDA, or a device) and
+exits with status 3 (NO_GPU_EXIT). Other exit statuses: 0 success, 1 a failed check or compile
+or another error, 2 a usage error (click's).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import flashcupy
 from flashcupy import bench, build, configs, device, registry
 from flashcupy.problem import AttentionOptions, Problem
 
-NO_GPU_EXIT = 2
+NO_GPU_EXIT = 3  # 1 is a failure, 2 click's usage error
+EXIT_STATUSES = (f"Exit status: 0 success; 1 a check, compile or other failure; 2 bad usage; {NO_GPU_EXIT} no "
+                 "usable CUDA GPU (no CuPy, no NVIDIA driver, a driver too old for CuPy's CUDA, or no device).")
 
 # check: ||out - ref||_F / ||ref||_F bounds by dtype, forward and gradients, and the LSE bound
 # (absolute, natural log): the LSE comes from float32 sums of exactly rounded inputs.
@@ -95,29 +99,18 @@ _OFF_ON = {"off": (False,), "on": (True,), "both": (False, True)}  # --causal, -
 # ----------------------------------------------------------------------------------------------
 
 
-def _no_gpu_reason() -> str:
-    try:
-        import cupy
-    except ImportError as exc:
-        return f"CuPy is not installed ({exc}); pip install 'flashcupy[cuda12]'"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # CUDARuntimeError: no driver, or a driver too old for CuPy's runtime
-        return str(exc)
-    return "CUDA sees no device" if count == 0 else "the CUDA device is not usable"
-
-
 def _require_gpu(ctx):
-    """DeviceInfo of the current device, or one line on stderr and exit status 2."""
+    """DeviceInfo of the current device, or one line on stderr saying what is missing and exit
+    status NO_GPU_EXIT."""
     try:
         if device.gpu_available():
             return device.device_info()
-        reason = _no_gpu_reason()
+        reason = device.no_gpu_reason() or "no usable CUDA GPU (CuPy counts none)"
     except device.NoGPUError as exc:
         reason = str(exc)
     except Exception as exc:  # CuPy's CUDA runtime and driver errors
-        reason = f"{type(exc).__name__}: {exc}"
-    click.echo(f"flashcupy: no CUDA GPU available ({' '.join(reason.split())})", err=True)
+        reason = f"no usable CUDA GPU: {type(exc).__name__}: {exc}"
+    click.echo(f"flashcupy: {' '.join(reason.split())}", err=True)
     ctx.exit(NO_GPU_EXIT)
 
 
@@ -196,7 +189,7 @@ def _record_process_kernels(info) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_STATUSES)
 @click.version_option(flashcupy.__version__, prog_name="flashcupy")
 def main():
     """flashcupy: FlashAttention-2 for CuPy arrays, kernels compiled at run time by NVRTC."""
@@ -461,7 +454,6 @@ def check_command(ctx, head_dims, seed):
         variants = fwd_variants(info.capability, info.smem_per_block_optin, head_dims=head_dims)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    backward = getattr(flashcupy, "flash_attn_backward", None)
     rng = np.random.default_rng(seed)
 
     click.echo(f"{info.name} (sm {_capability(info)}), batch {CHECK_BATCH}, {CHECK_NHEADS} heads")
@@ -469,8 +461,7 @@ def check_command(ctx, head_dims, seed):
     failures = total = 0
     for variant in variants:
         for seqlen_q, seqlen_k in CHECK_SEQLENS:
-            cases = [("fwd", _check_forward)] + ([("bwd", _check_backward)] if backward else [])
-            for direction, run_case in cases:
+            for direction, run_case in (("fwd", _check_forward), ("bwd", _check_backward)):
                 total += 1
                 try:
                     rel, max_abs, lse_err, ok = run_case(variant, seqlen_q, seqlen_k, rng)
@@ -481,8 +472,6 @@ def check_command(ctx, head_dims, seed):
                 name = (str(variant) if direction == "fwd" else
                         f"bwd d={variant.head_dim} {variant.dtype} mask={variant.mask}")
                 click.echo(f"{name:<62} {f'{seqlen_q}x{seqlen_k}':>9} {cells}  {'PASS' if ok else 'FAIL'}")
-    if not backward:
-        click.echo("backward: skipped (flashcupy has no flash_attn_backward yet)")
     _record_process_kernels(info)
     click.echo(f"check: {total - failures} of {total} cases pass" + (f", {failures} FAIL" if failures else ""))
     if failures:

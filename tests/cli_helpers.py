@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
-import cli
+from flashcupy import cli
 from flashcupy.device import DeviceInfo
 from gpu_helpers import requires_gpu
 

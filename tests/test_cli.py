@@ -10,8 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-import cli
-from flashcupy import bench, device
+from flashcupy import bench, cli, device
 from flashcupy.device import NoGPUError
 from cli_helpers import invoke, on_gpu
 from gpu_helpers import rel_err
@@ -90,40 +89,85 @@ def test_check_bad_head_dim():
 
 
 # ----------------------------------------------------------------------------------------------
-# No GPU: one line, exit status 2, no traceback (CPU)
+# No GPU: one line saying what is missing, exit status 3, no traceback (CPU)
 # ----------------------------------------------------------------------------------------------
 
+GPU_COMMANDS = [["bench"], ["info"], ["check"], ["compile"]]
+NO_DRIVER = device.CudaStack(cupy_version="14.2.0", runtime_version=12090,
+                             libcuda_error="cannot open shared object file: No such file or directory",
+                             runtime_status=device.CUDA_ERROR_INSUFFICIENT_DRIVER,
+                             runtime_error="cudaErrorInsufficientDriver: CUDA driver version is insufficient")
 
-def assert_no_gpu_exit(result):
-    assert result.exit_code == cli.NO_GPU_EXIT, result.output
+
+def assert_no_gpu_exit(result, *phrases):
+    assert result.exit_code == cli.NO_GPU_EXIT == 3, result.output
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("flashcupy: no CUDA GPU available (")
+    assert len(lines) == 1 and lines[0].startswith("flashcupy: "), result.stderr
+    for phrase in phrases:
+        assert phrase in lines[0]
     assert "Traceback" not in result.output
     assert isinstance(result.exception, SystemExit)
 
 
-@pytest.mark.parametrize("command", [["bench"], ["info"], ["check"], ["compile"]])
-def test_no_gpu_simulated(monkeypatch, command):
+def simulate(monkeypatch, stack):
+    """The CLI sees no GPU, and the probe answers `stack`."""
     monkeypatch.setattr(device, "gpu_available", lambda: False)
-    assert_no_gpu_exit(invoke(*command))
+    monkeypatch.setattr(device, "probe_cuda", lambda: stack)
 
 
-@pytest.mark.parametrize("command", [["bench"], ["info"], ["check"], ["compile"]])
+@pytest.mark.parametrize("command", GPU_COMMANDS)
+def test_no_driver_simulated(monkeypatch, command):
+    simulate(monkeypatch, NO_DRIVER)
+    result = invoke(*command)
+    assert_no_gpu_exit(result, "no NVIDIA driver", "libcuda")
+    assert "insufficient" not in result.stderr  # the runtime's guess is not repeated
+
+
+@pytest.mark.parametrize("stack, phrases", [
+    (device.CudaStack(cupy_version="14.2.0", driver_version=12040, driver_release="550.54.15",
+                      runtime_version=12090, device_count=0),
+     ["no CUDA device", "550.54.15", "CUDA 12.4"]),
+    (device.CudaStack(cupy_version="14.2.0", driver_version=12040, runtime_version=12090,
+                      runtime_status=device.CUDA_ERROR_NO_DEVICE, runtime_error="cudaErrorNoDevice: no device",
+                      visible_devices=""),
+     ["no CUDA device", "CUDA_VISIBLE_DEVICES=''"]),
+    (device.CudaStack(cupy_version="14.2.0", driver_version=12040, driver_release="550.54.15",
+                      runtime_version=13000, runtime_status=device.CUDA_ERROR_INSUFFICIENT_DRIVER,
+                      runtime_error="cudaErrorInsufficientDriver: CUDA driver version is insufficient"),
+     ["NVIDIA driver too old", "550.54.15 supports CUDA 12.4", "CuPy 14.2.0 is built for CUDA 13.0",
+      "pip uninstall cupy-cuda13x", "flashcupy[cuda12]", "update the driver"]),
+    (device.CudaStack(cupy_version="14.2.0", driver_version=11040, runtime_version=12090,
+                      runtime_status=device.CUDA_ERROR_INSUFFICIENT_DRIVER, runtime_error="insufficient"),
+     ["NVIDIA driver too old", "supports CUDA 11.4", "built for CUDA 12.9", "update the driver to one for CUDA 12"]),
+    (device.CudaStack(cupy_error="ModuleNotFoundError: No module named 'cupy'"),
+     ["CuPy does not import", "flashcupy[cuda12]", "flashcupy[cuda13]"]),
+], ids=["no-device", "devices-hidden", "driver-older-than-cupy", "driver-older-than-cuda12", "no-cupy"])
+def test_no_gpu_reasons(monkeypatch, stack, phrases):
+    simulate(monkeypatch, stack)
+    assert_no_gpu_exit(invoke("info"), *phrases)
+
+
+def test_no_gpu_status_is_not_a_usage_error():
+    assert cli.NO_GPU_EXIT not in (0, 1, 2)
+    result = invoke("--help")
+    assert f"{cli.NO_GPU_EXIT} no usable CUDA GPU" in " ".join(result.output.split())
+    assert f"status {cli.NO_GPU_EXIT}" in cli.__doc__
+
+
+@pytest.mark.parametrize("command", GPU_COMMANDS)
 def test_device_info_failure_is_no_gpu(monkeypatch, command):
     def no_device(device_id=None):
         raise NoGPUError("no usable CUDA GPU: cudaErrorNoDevice")
 
     monkeypatch.setattr(device, "gpu_available", lambda: True)
     monkeypatch.setattr(device, "device_info", no_device)
-    result = invoke(*command)
-    assert_no_gpu_exit(result)
-    assert "cudaErrorNoDevice" in result.stderr
+    assert_no_gpu_exit(invoke(*command), "no usable CUDA GPU: cudaErrorNoDevice")
 
 
 @pytest.mark.skipif(device.gpu_available(), reason="this machine has a GPU")
 @pytest.mark.parametrize("command", [["bench", "--seqlens", "256"], ["info"], ["check"], ["compile"]])
 def test_no_gpu_real(command):
-    assert_no_gpu_exit(invoke(*command))
+    assert_no_gpu_exit(invoke(*command), device.no_gpu_reason())
 
 
 # ----------------------------------------------------------------------------------------------

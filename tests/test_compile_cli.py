@@ -8,8 +8,7 @@ import pickle
 
 import pytest
 
-import cli
-from flashcupy import build, configs, device, sm80
+from flashcupy import build, cli, configs, device, sm80
 from flashcupy.device import DeviceInfo
 from cli_helpers import FAKE_GPU, invoke, on_gpu
 
