@@ -1,9 +1,11 @@
 // FlashAttention-2 backward, sm80 instructions (mma.sync, ldmatrix, cp.async); runs on sm80+.
 //
-// Three kernels (FA2 section 3.2), launched in order by flashcupy/api.py:
+// Kernels (FA2 section 3.2), launched in order by flashcupy/sm80.py (Sm80Backward.run), each taking
+// the one BwdParams struct (params.cuh):
 //   flash_bwd_preprocess_kernel   D = rowsum(dO * O) (float32, like the LSE); dq_accum = 0
 //   flash_bwd_kernel              dK, dV per key block; dQ by float32 atomic adds
 //   flash_bwd_convert_dq_kernel   dQ = dq_accum * softmax_scale, in the input dtype
+//   flash_bwd_group_sum_kernel    GQA: dK, dV of each kv head = the sum over its query heads
 //
 // Main kernel: one thread block per (key block j of kBlockN keys, head, batch). Pseudocode
 // (FA2 Algorithm 2), with c = softmax_scale * log2(e):

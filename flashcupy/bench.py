@@ -43,7 +43,7 @@ DEFAULT_TOTAL_TOKENS = 16384
 DEFAULT_HIDDEN = 2048
 DEFAULT_REPEATS = 20
 DEFAULT_WARMUP = 3
-# Variants of the causal case in the default sweep (issue 5): GQA with 4 query heads per kv head
+# Variants of the causal case in the default sweep: GQA with 4 query heads per kv head
 # (d=64: 32 query heads, 8 kv heads) and a Mistral-style sliding window, causal with 1024 keys back.
 VARIANTS = ("plain", "gqa", "window")
 GQA_GROUP = 4

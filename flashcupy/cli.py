@@ -394,18 +394,19 @@ def compile_command(ctx, head_dims, dtypes, direction, causal, deterministic, sc
     variants = [v for d in directions for v in (fwd_variants if d == "fwd" else bwd_variants)(
         info.capability, info.smem_per_block_optin, **choice)]
     if not variants:
-        raise click.ClickException(f"no kernel family runs on {info.name} (sm {_capability(info)})")
+        raise click.ClickException(f"no kernel family runs on {info.name} (sm {_capability(info)}); flashcupy "
+                                   "needs 8.0 or newer (Ampere, Ada, Hopper)")
     cached = _cached_names(info)
-    header = (f"{info.name} (sm {_capability(info)}): {sum(v.name_expression in cached for v in variants)} already "
-              f"compiled on disk, cache {build.cache_dir()}")
-    _compile_and_report(ctx, variants, jobs, header, info=info)
+    _compile_and_report(ctx, variants, jobs, f"{info.name} (sm {_capability(info)})", info=info,
+                        note=f"{sum(v.name_expression in cached for v in variants)} already compiled on disk, ",
+                        cache_note=f", cache {build.cache_dir()}")
 
 
-def _compile_and_report(ctx, variants, jobs, header, info=None, arch=None):
+def _compile_and_report(ctx, variants, jobs, header, info=None, arch=None, note="", cache_note=""):
     """Compile in worker processes, for the GPU `info` (into CuPy's disk cache, recorded in the index)
     or offline for `arch`; print a line per kernel and exit 1 if any failed."""
     jobs = min(jobs, len(variants))
-    click.echo(f"{header}: {len(variants)} kernels, {jobs} processes")
+    click.echo(f"{header}: {len(variants)} kernels, {note}{jobs} processes{cache_note}")
     results = {}
     start = time.perf_counter()
     with click.progressbar(length=len(variants), label="compile", file=sys.stderr,
@@ -444,34 +445,41 @@ def _compile_and_report(ctx, variants, jobs, header, info=None, arch=None):
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
 @click.pass_context
 def check_command(ctx, head_dims, seed):
-    """Check every kernel variant the dispatcher can pick here against the float64 reference.
+    """Check every kernel variant the dispatcher can pick here against the float64 reference, each
+    kernel family forced in turn (backend=).
 
-    Pass: ||out - ref|| / ||ref|| under 2e-2 (bf16) or 5e-3 (fp16), LSE within 2e-3, and
-    no NaN or inf where the reference is finite. Exit status 1 on any failure.
+    Pass: ||out - ref|| / ||ref|| under 2e-2 (bf16) or 5e-3 (fp16) forward, 5e-2 (bf16) or 1e-2
+    (fp16) for the worst gradient, LSE within 2e-3, and no NaN or inf where the reference is
+    finite. Exit status 1 on any failure.
     """
     info = _require_gpu(ctx)
     try:
-        variants = fwd_variants(info.capability, info.smem_per_block_optin, head_dims=head_dims)
+        forward = family_variants("fwd", info.capability, info.smem_per_block_optin, head_dims=head_dims)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+    # each backward family is checked on the forward variants' cases (head dim, dtype, mask, score mods)
+    cases = [(family, variant, "fwd") for family, variant in forward]
+    cases += [(family, variant, "bwd") for family in registry.families("bwd") if family.runs_on(info.capability)
+              for _, variant in forward]
     rng = np.random.default_rng(seed)
 
     click.echo(f"{info.name} (sm {_capability(info)}), batch {CHECK_BATCH}, {CHECK_NHEADS} heads")
-    click.echo(f"{'case':<62} {'q x k':>9} {'rel err':>9} {'max abs':>9} {'lse err':>9}  result")
+    click.echo(f"{'case':<72} {'q x k':>9} {'rel err':>9} {'max abs':>9} {'lse err':>9}  result")
     failures = total = 0
-    for variant in variants:
+    for family, variant, direction in cases:
+        run_case = _check_forward if direction == "fwd" else _check_backward
         for seqlen_q, seqlen_k in CHECK_SEQLENS:
-            for direction, run_case in (("fwd", _check_forward), ("bwd", _check_backward)):
-                total += 1
-                try:
-                    rel, max_abs, lse_err, ok = run_case(variant, seqlen_q, seqlen_k, rng)
-                    cells = f"{rel:>9.2e} {max_abs:>9.2e} {lse_err:>9}"
-                except Exception as exc:  # a failed compile or launch is a failed case, not the end
-                    ok, cells = False, f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
-                failures += not ok
-                name = (str(variant) if direction == "fwd" else
-                        f"bwd d={variant.head_dim} {variant.dtype} mask={variant.mask}")
-                click.echo(f"{name:<62} {f'{seqlen_q}x{seqlen_k}':>9} {cells}  {'PASS' if ok else 'FAIL'}")
+            total += 1
+            try:
+                rel, max_abs, lse_err, ok = run_case(variant, seqlen_q, seqlen_k, rng, family.name)
+                cells = f"{rel:>9.2e} {max_abs:>9.2e} {lse_err:>9}"
+            except Exception as exc:  # a failed compile or launch is a failed case, not the end
+                ok, cells = False, f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
+            failures += not ok
+            name = (f"{family.name} {variant}" if direction == "fwd" else
+                    f"{family.name} bwd d={variant.head_dim} {variant.dtype} mask={variant.mask}"
+                    f"{'+score_mod' if variant.score_mod else ''}")
+            click.echo(f"{name:<72} {f'{seqlen_q}x{seqlen_k}':>9} {cells}  {'PASS' if ok else 'FAIL'}")
     _record_process_kernels(info)
     click.echo(f"check: {total - failures} of {total} cases pass" + (f", {failures} FAIL" if failures else ""))
     if failures:
@@ -512,14 +520,15 @@ def _case_options(variant) -> tuple[dict, dict]:
     return {**options, "alibi_slopes": cupy.asarray(slopes)}, {**options, "alibi_slopes": slopes.astype(np.float64)}
 
 
-def _check_forward(variant, seqlen_q, seqlen_k, rng):
+def _check_forward(variant, seqlen_q, seqlen_k, rng, backend):
     import cupy
 
     from flashcupy.reference import attention_ref
 
     q, k, v = _random_inputs(rng, variant, seqlen_q, seqlen_k, 1)
     options, host_options = _case_options(variant)
-    out, lse = flashcupy.flash_attn_func(*(cupy.asarray(a) for a in (q, k, v)), return_lse=True, **options)
+    out, lse = flashcupy.flash_attn_func(*(cupy.asarray(a) for a in (q, k, v)), return_lse=True, backend=backend,
+                                         **options)
     out = cupy.asnumpy(out).astype(np.float64)
     lse = cupy.asnumpy(lse).astype(np.float64)
     ref_out, ref_lse = attention_ref(*(a.astype(np.float64) for a in (q, k, v)), **host_options)
@@ -532,7 +541,7 @@ def _check_forward(variant, seqlen_q, seqlen_k, rng):
     return rel, max_abs, f"{lse_err:.2e}", ok
 
 
-def _check_backward(variant, seqlen_q, seqlen_k, rng):
+def _check_backward(variant, seqlen_q, seqlen_k, rng, backend):
     """Worst of dq, dk, dv against reference.attention_bwd_ref."""
     import cupy
 
@@ -542,7 +551,7 @@ def _check_backward(variant, seqlen_q, seqlen_k, rng):
     q_d, k_d, v_d, dout_d = (cupy.asarray(a) for a in (q, k, v, dout))
     options, host_options = _case_options(variant)
     out, lse = flashcupy.flash_attn_func(q_d, k_d, v_d, return_lse=True, **options)
-    grads = flashcupy.flash_attn_backward(dout_d, q_d, k_d, v_d, out, lse, **options)
+    grads = flashcupy.flash_attn_backward(dout_d, q_d, k_d, v_d, out, lse, backend=backend, **options)
     refs = attention_bwd_ref(*(a.astype(np.float64) for a in (dout, q, k, v)), **host_options)
     rel = max_abs = 0.0
     ok = True

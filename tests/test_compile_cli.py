@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from flashcupy import build, cli, configs, device, sm80
+from flashcupy import build, cli, configs, device, registry, sm80
 from flashcupy.device import DeviceInfo
 from cli_helpers import FAKE_GPU, invoke, on_gpu
 
@@ -122,7 +122,7 @@ def test_record_and_cached(cache):
     build.record_compiled(bwd, "sm_80")
     assert entry["name_expression"] == fwd.name_expression and entry["source"] == "fwd.cu"
     assert entry["seconds"] == 1.235 and entry["variant"] == str(fwd)
-    assert entry["sha256"] == build.source_hash("fwd.cu", "sm_90")
+    assert entry["sha256"] == build.source_hash("fwd.cu", "sm_90", fwd.nvrtc_options)
     assert [e["name_expression"] for e in build.cached_variants("sm_90")] == [fwd.name_expression]
     assert [e["name_expression"] for e in build.cached_variants("sm_80")] == [bwd.name_expression]
     assert len(build.cached_variants()) == 2
@@ -133,12 +133,12 @@ def test_record_and_cached(cache):
 
 
 def test_hash_covers_source_options_and_arch(monkeypatch):
-    base = build.source_hash("fwd.cu", "sm_90")
-    assert base == build.source_hash("fwd.cu", "sm_90")
-    assert base != build.source_hash("fwd.cu", "sm_80")
-    assert base != build.source_hash("bwd.cu", "sm_90")
-    monkeypatch.setattr(build, "NVRTC_OPTIONS", build.NVRTC_OPTIONS + ("-lineinfo",))
-    assert base != build.source_hash("fwd.cu", "sm_90")
+    options = sm80.NVRTC_OPTIONS
+    base = build.source_hash("fwd.cu", "sm_90", options)
+    assert base == build.source_hash("fwd.cu", "sm_90", options)
+    assert base != build.source_hash("fwd.cu", "sm_80", options)
+    assert base != build.source_hash("bwd.cu", "sm_90", options)
+    assert base != build.source_hash("fwd.cu", "sm_90", options + ("-lineinfo",))
 
 
 @pytest.mark.parametrize("text", ["{not json", "", "[1, 2]", '{"schema": "other/1", "entries": {}}',
@@ -347,3 +347,39 @@ def test_compile_then_info_gpu(cache):
     assert again.exit_code == 0, again.output
     assert f"{n} already compiled on disk" in again.stdout
     assert sorted(cache.glob("*.cubin")) == cubins
+
+
+# ----------------------------------------------------------------------------------------------
+# Offline compiles and the families in `info` (CPU)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_compile_offline_needs_no_gpu(monkeypatch):
+    """--arch compiles every family variant for that architecture without asking for a GPU."""
+    monkeypatch.setattr(device, "gpu_available", lambda: False)
+    pool = FakePool()
+    monkeypatch.setattr(build, "compile_in_processes", pool)
+    result = invoke("compile", "--arch", "sm_80", "--head-dims", "64", "--dtype", "fp16", "--direction", "fwd")
+    assert result.exit_code == 0, result.output
+    ((variants, _, arch),) = pool.calls
+    assert arch == "sm_80"
+    assert variants == cli.fwd_variants(80, head_dims=(64,), dtypes=("float16",))
+    assert "sm_80 (offline, nothing cached)" in result.stdout and f"{len(variants)} of {len(variants)} kernels" in result.stdout
+    bad = invoke("compile", "--arch", "sm_75")
+    assert bad.exit_code == 2 and "sm_75" in bad.output
+
+
+def test_compile_offline_really_compiles(monkeypatch):
+    monkeypatch.setattr(device, "gpu_available", lambda: False)
+    result = invoke("compile", "--arch", "sm_90a", "--head-dims", "32", "--dtype", "bf16", "--direction", "fwd",
+                    "--causal", "off", "--score-mod", "off", "--jobs", "1")
+    assert result.exit_code == 0, result.output
+    assert "1 of 1 kernels" in result.stdout and "FAIL" not in result.stdout
+
+
+def test_info_lists_the_families_and_who_serves_what(cache, fake_gpu):
+    out = invoke("info").stdout
+    for family in registry.families():
+        assert f"  {family.direction} {family.name:<8}{family.summary}" in out
+    for head_dim in configs.SUPPORTED_HEAD_DIMS:
+        assert f"  d={head_dim:<4}plain: sm80 / sm80  causal: sm80 / sm80" in out
