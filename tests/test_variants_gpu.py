@@ -246,3 +246,26 @@ def test_varlen_validation():
         flashcupy.flash_attn_varlen_func(q, q, q, good, good, 20, 20, alibi_slopes=cupy.zeros((3, 2), cupy.float32))
     with pytest.raises(ValueError, match="softcap must be"):
         flashcupy.flash_attn_varlen_func(q, q, q, good, good, 20, 20, softcap=-1.0)
+
+
+def test_backend_forcing(monkeypatch):
+    """backend= and FLASHCUPY_BACKEND pick the named family; a wrong name is refused before any launch."""
+    import flashcupy
+    from flashcupy import registry
+    from flashcupy.reference import attention_ref
+
+    rng = np.random.default_rng(5)
+    q, k, v = (randn(rng, (1, 200, 2, 64), "bfloat16") for _ in range(3))
+    ref, _ = attention_ref(*(to_host64(a) for a in (q, k, v)), causal=True)
+    for name in registry.family_names("fwd"):
+        out = flashcupy.flash_attn_func(q, k, v, causal=True, backend=name)
+        assert rel_err(to_host64(out), ref) < REL_TOL["bfloat16"], name
+        monkeypatch.setenv("FLASHCUPY_BACKEND", name)
+        out = flashcupy.flash_attn_func(q, k, v, causal=True)
+        assert rel_err(to_host64(out), ref) < REL_TOL["bfloat16"], name
+    monkeypatch.setenv("FLASHCUPY_BACKEND", "nonesuch")
+    with pytest.raises(ValueError, match="FLASHCUPY_BACKEND='nonesuch' names no kernel family"):
+        flashcupy.flash_attn_func(q, k, v)
+    monkeypatch.delenv("FLASHCUPY_BACKEND")
+    with pytest.raises(ValueError, match="backend= 'nonesuch' is not a fwd kernel family"):
+        flashcupy.flash_attn_func(q, k, v, backend="nonesuch")
