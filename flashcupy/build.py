@@ -72,7 +72,7 @@ def compile_cubin(variant, arch: str) -> bytes:
     try:
         nvrtc.addNameExpression(prog, variant.name_expression)
         try:
-            nvrtc.compileProgram(prog, list(variant.nvrtc_options) + [f"-arch={arch}"])
+            nvrtc.compileProgram(prog, [o for o in variant.nvrtc_options if not o.startswith("-arch")] + [f"-arch={arch}"])
         except nvrtc.NVRTCError as exc:
             raise KernelCompileError(f"NVRTC failed to compile {variant} for {arch}:\n"
                                      f"{nvrtc.getProgramLog(prog)}") from exc

@@ -53,9 +53,9 @@ class Family:
 
 
 def _family_classes() -> list:
-    from . import sm80
+    from . import sm80, sm90_fwd
 
-    return [sm80.Sm80Forward, sm80.Sm80Backward]
+    return [sm90_fwd.Sm90Forward, sm80.Sm80Forward, sm80.Sm80Backward]
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,198 @@
+// FlashAttention forward for Hopper (sm_90a): TMA loads into a multi-stage shared-memory pipeline,
+// wgmma on the tensor cores, and warp specialization (FlashAttention-3, sections 3.1-3.2).
+//
+// One thread block of three warpgroups per (q block of kBlockM = 128 rows, head, batch):
+//   warpgroup 0, producer (24 registers per thread): one thread issues the TMA loads: Q_i once,
+//       then K_j and V_j of every key block the q block sees into stage j % kStages, each stage
+//       waiting until the consumers have released it (empty barrier), each load completing on the
+//       stage's full barrier with its byte count;
+//   warpgroups 1 and 2, consumers (240 registers): 64 rows of the q block each, for every key
+//       block j (the last, masked one first, as the sm80 kernel):
+//           wait K_j;  S = Q_i K_j^T                   // wgmma, both operands in shared memory
+//           mask S where j straddles seqlen_k or the band
+//           m_new = max(m, rowmax(S)); P = exp2(S c - m_new c); l = l exp2(m - m_new) + rowsum(P)
+//           O = O exp2(m - m_new);  P -> 16-bit A fragments, in registers
+//           wait V_j;  O += P V_j                      // wgmma, P from registers, V in shared memory
+//           release stage j
+//       then O /= l, LSE = m softmax_scale + ln(l) (a sink joins l), O and LSE to global memory.
+// The wgmma accumulators of a warp hold its 16 rows in the mma.sync m16n8 layout (sm90.cuh), so
+// the online softmax and the mask are softmax.cuh's and mask.cuh's, shared with the sm80 kernels.
+//
+// Shared memory holds each tile as head-dim chunks of 64 columns (128 bytes a row), the 128-byte
+// swizzle TMA writes and the wgmma descriptors read: Q, then kStages K tiles, then kStages V tiles,
+// then the mbarriers.
+#include "sm90.cuh"
+#include "softmax.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+
+template <int kHeadDim_, int kBlockN_, int kStages_>
+struct Sm90FwdTraits {
+    static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kStages = kStages_;
+    static constexpr int kBlockM = 128;            // two consumer warpgroups of 64 rows
+    static constexpr int kThreads = 384;           // producer + 2 consumer warpgroups
+    static constexpr int kConsumers = 256;
+    static constexpr int kChunk = 64;              // head-dim columns per 128-byte swizzle atom
+    static constexpr int kChunks = kHeadDim / kChunk;
+    static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+    static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or V tile
+    static constexpr int kOffK = kQBytes;
+    static constexpr int kOffV = kOffK + kStages * kKVBytes;
+    static constexpr int kOffBar = kOffV + kStages * kKVBytes;
+    static constexpr int kBarriers = 1 + 3 * kStages;       // Q full; per stage K full, V full, empty
+    // + 1024: the dynamic shared memory base is aligned up to the swizzle atom's 1024 bytes.
+    static constexpr int kSmemBytes = kOffBar + kBarriers * 8 + 1024;
+    static_assert(kHeadDim % kChunk == 0 && kHeadDim <= 256, "head dim: whole 64-column chunks");
+    static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key block: a wgmma N");
+    static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles on swizzle-atom boundaries");
+};
+
+// The kernel's one parameter: the parameter struct and the tensor maps of q, k and v, each a 4-D
+// (headdim, seqlen, heads, batch) view with the caller's strides (flashcupy/sm90_fwd.py).
+struct Sm90FwdArgs {
+    FwdParams p;
+    TmaDesc q, k, v;
+};
+static_assert(sizeof(FwdParams) <= 256 && sizeof(Sm90FwdArgs) == 256 + 3 * 128,
+              "flashcupy/sm90_fwd.py lays the tensor maps at bytes 256, 384 and 512");
+
+template <int kHeadDim, int kBlockN, int kStages, bool Is_causal, bool Is_local, bool Is_bf16>
+__global__ void __launch_bounds__(384, 1)
+flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
+    using T = Sm90FwdTraits<kHeadDim, kBlockN, kStages>;
+    constexpr int kBlockM = T::kBlockM;
+    const FwdParams& p = args.p;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 smem = (smem_u32(smem_raw) + 1023) & ~1023u;
+    const u32 sQ = smem, sK = smem + T::kOffK, sV = smem + T::kOffV, sBar = smem + T::kOffBar;
+    const u32 q_full = sBar;
+    auto k_full = [&](int s) { return sBar + 8 * (1 + s); };
+    auto v_full = [&](int s) { return sBar + 8 * (1 + kStages + s); };
+    auto empty = [&](int s) { return sBar + 8 * (1 + 2 * kStages + s); };
+
+    const int num_m_blocks = gridDim.x;
+    // Causal and local: the bottom q blocks see the most keys; they start first.
+    const int m_block = (Is_causal || Is_local) ? num_m_blocks - 1 - blockIdx.x : blockIdx.x;
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int kv_head = head / p.heads_per_kv_head;
+    const int seqlen_q = p.max_seqlen_q, seqlen_k = p.max_seqlen_k;
+    const int row0 = m_block * kBlockM;
+    const int band_offset = p.align_bottom_right ? seqlen_k - seqlen_q : 0;
+    const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, p.window_left,
+                                                          p.window_right};
+    const int n_block_min = Is_local ? mask.key_begin(row0) / kBlockN : 0;
+    const int n_block_max = (mask.key_end(row0) + kBlockN - 1) / kBlockN;  // <= n_block_min: no key
+    const int tid = threadIdx.x, warpgroup = tid / 128, lane = tid & 31;
+
+    if (tid == 0) {
+        mbar_init(q_full, 1);
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(k_full(s), 1);
+            mbar_init(v_full(s), 1);
+            mbar_init(empty(s), T::kConsumers);
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {  // ---- producer ----
+        regs_release<24>();
+        if (tid == 0 && n_block_max > n_block_min) {
+            tma_prefetch_desc(&args.q);
+            tma_prefetch_desc(&args.k);
+            tma_prefetch_desc(&args.v);
+            mbar_arrive_expect_tx(q_full, T::kQBytes);
+#pragma unroll
+            for (int c = 0; c < T::kChunks; ++c)
+                tma_load_4d(sQ + c * kBlockM * 128, &args.q, q_full, c * T::kChunk, row0, head, batch);
+            for (int n_block = n_block_max - 1, it = 0; n_block >= n_block_min; --n_block, ++it) {
+                const int s = it % kStages;
+                mbar_wait(empty(s), ((it / kStages) & 1) ^ 1);
+                mbar_arrive_expect_tx(k_full(s), T::kKVBytes);
+#pragma unroll
+                for (int c = 0; c < T::kChunks; ++c)
+                    tma_load_4d(sK + s * T::kKVBytes + c * kBlockN * 128, &args.k, k_full(s), c * T::kChunk,
+                                n_block * kBlockN, kv_head, batch);
+                mbar_arrive_expect_tx(v_full(s), T::kKVBytes);
+#pragma unroll
+                for (int c = 0; c < T::kChunks; ++c)
+                    tma_load_4d(sV + s * T::kKVBytes + c * kBlockN * 128, &args.v, v_full(s), c * T::kChunk,
+                                n_block * kBlockN, kv_head, batch);
+            }
+        }
+        return;
+    }
+
+    // ---- consumers ----
+    regs_claim<240>();
+    const int consumer = warpgroup - 1;                          // rows 64 consumer .. of the q block
+    const int warp_row0 = 64 * consumer + 16 * ((tid / 32) % 4);  // this warp's first row in the block
+    const int g = lane >> 2, t = lane & 3;
+    float acc_o[1][kHeadDim / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < kHeadDim / 8; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+    float(&o_flat)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(acc_o);
+    OnlineSoftmax<1> softmax;
+
+    if (n_block_max > n_block_min) {
+        mbar_wait(q_full, 0);
+        // Descriptors: K-major Q (this warpgroup's 64 rows) and K, 8-row groups 1024 bytes apart,
+        // k steps of 16 columns 32 bytes apart inside a chunk; V N-major, chunks kBlockN * 128 bytes
+        // apart along the head dim, 16 keys 2048 bytes apart.
+        const u32 sQ_wg = sQ + consumer * 64 * 128;
+        for (int n_block = n_block_max - 1, it = 0; n_block >= n_block_min; --n_block, ++it) {
+            const int s = it % kStages;
+            const u32 parity = (it / kStages) & 1;
+            const u32 sK_s = sK + s * T::kKVBytes, sV_s = sV + s * T::kKVBytes;
+
+            float acc_s[1][kBlockN / 8][4];
+            float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
+            mbar_wait(k_full(s), parity);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < kHeadDim / 16; ++ks) {  // S = Q_i K_j^T
+                const u32 chunk = ks / 4, col_bytes = (ks % 4) * 32;
+                Wgmma<kBlockN, Is_bf16>::ss(s_flat, gmma_desc(sQ_wg + chunk * kBlockM * 128 + col_bytes, 16, 1024),
+                                            gmma_desc(sK_s + chunk * kBlockN * 128 + col_bytes, 16, 1024), ks > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(s_flat);
+
+            if (mask.tile_needs_mask(row0, n_block)) mask.apply(acc_s, row0 + warp_row0, n_block * kBlockN, lane);
+            softmax.update(acc_s, acc_o, p.scale_log2);
+            u32 a_p[kBlockN / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
+
+            mbar_wait(v_full(s), parity);
+            fence_regs(o_flat);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk)  // O += P V_j
+                Wgmma<kHeadDim, Is_bf16>::rs(o_flat, a_p[kk], gmma_desc(sV_s + kk * 2048, kBlockN * 128, 1024));
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs(o_flat);
+            mbar_arrive(empty(s));
+        }
+    }
+
+    float row_lse[2];
+    softmax.finalize(acc_o, p.softmax_scale, p.sinks ? p.sinks[head] : -FC_INF, row_lse);
+    u16* gO = p.out + batch * p.o_batch_stride + head * p.o_head_stride;
+    float* gLse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row0 + warp_row0 + g + 8 * h;
+        if (row < seqlen_q) {
+            u16* gO_row = gO + i64(row) * p.o_row_stride + 2 * t;
+#pragma unroll
+            for (int dt = 0; dt < kHeadDim / 8; ++dt)
+                *reinterpret_cast<u32*>(gO_row + 8 * dt) = pack_f32x2<Is_bf16>(acc_o[0][dt][2 * h], acc_o[0][dt][2 * h + 1]);
+            if (t == 0) gLse[row] = row_lse[h];
+        }
+    }
+}

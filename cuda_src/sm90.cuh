@@ -1,0 +1,148 @@
+// Hopper (sm_90a) instructions of the sm90 kernel families, as thin PTX wrappers: mbarriers, TMA
+// bulk tensor loads, warpgroup matrix multiply-accumulate (wgmma) and register reallocation.
+// Like ptx.cuh, no CUDA header: NVRTC alone builds them (with -arch=sm_90a).
+#pragma once
+#include "ptx.cuh"
+
+typedef unsigned long long u64;
+
+// ---- mbarrier: a 64-bit shared-memory barrier with a phase bit and a transaction count ---------
+FC_DEVICE void mbar_init(u32 bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+// Make the initialised barriers visible to the async proxy (TMA) and the other threads.
+FC_DEVICE void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+FC_DEVICE void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrive and add `bytes` to the transactions the current phase waits for (TMA completes them).
+FC_DEVICE void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Wait until the phase of parity `parity` has completed. A new barrier counts its phase "before
+// phase 0" (parity 1) as complete, so a producer's first wait on an empty slot, parity 1, passes.
+FC_DEVICE void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n .reg .pred done;\n"
+                 "WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 " @!done bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+
+// ---- TMA: bulk tensor copies described by a tensor map (encoded on the host) -------------------
+// The tensor map is an opaque 128-byte, 64-byte aligned object; kernels take it inside a
+// __grid_constant__ parameter so that its address is a parameter-space address.
+struct alignas(64) TmaDesc {
+    u64 bits[16];
+};
+
+FC_DEVICE void tma_prefetch_desc(const TmaDesc* desc) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(desc) : "memory");
+}
+// A 4-D box (innermost coordinate first) into shared memory at `dst`; completion is counted on
+// `bar` in bytes. Coordinates past the tensor's end read as zeros (and still count).
+FC_DEVICE void tma_load_4d(u32 dst, const TmaDesc* desc, u32 bar, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+                 ::"r"(dst), "l"(desc), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
+
+// ---- register reallocation between warpgroups (setmaxnreg) -------------------------------------
+template <int kRegs>
+FC_DEVICE void regs_release() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs)); }
+template <int kRegs>
+FC_DEVICE void regs_claim() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs)); }
+
+// ---- named barriers among some warps of the block ----------------------------------------------
+FC_DEVICE void named_bar_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+FC_DEVICE void named_bar_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---- wgmma: D (64 x N, float32, registers) += A (64 x 16) * B (16 x N) for a warpgroup --------
+// Shared-memory operands are named by 64-bit descriptors (gmma_desc). The accumulator of warp w of
+// the warpgroup holds rows 16 w .. 16 w + 15 in the mma.sync m16n8 layout: d[4 j + e] is row
+// 16 w + g + 8 (e / 2), column 8 j + 2 t + (e % 2) (lane = 4 g + t), so the sm80 helpers that work
+// on [1][N / 8][4] fragments (softmax.cuh, mask.cuh, score_mod.cuh) apply unchanged.
+FC_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+FC_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+FC_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// Pin registers in program order around the asynchronous wgmma: the compiler may not read the
+// accumulators before wgmma_wait, nor move writes to them past the next issue.
+template <int kN>
+FC_DEVICE void fence_regs(float (&d)[kN]) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int kN>
+FC_DEVICE void fence_regs(u32 (&d)[kN]) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor for the 128-byte swizzle (what TMA writes with
+// CU_TENSOR_MAP_SWIZZLE_128B): start address >> 4 in bits 0-13, leading-dimension byte offset >> 4
+// in bits 16-29, stride-dimension byte offset >> 4 in bits 32-45, layout 1 (128B swizzle) in bits
+// 62-63. Tiles start on 1024-byte boundaries, so the base offset (bits 49-51) stays 0.
+FC_DEVICE u64 gmma_desc(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
+    return u64((smem_addr & 0x3FFFF) >> 4) | (u64(leading_bytes >> 4) << 16) | (u64(stride_bytes >> 4) << 32) |
+           (u64(1) << 62);
+}
+
+#define FC_REGS_32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define FC_REGS_64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define FC_REGS_128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
+#define FC_AREGS_32 "{%32, %33, %34, %35}"
+#define FC_AREGS_64 "{%64, %65, %66, %67}"
+#define FC_AREGS_128 "{%128, %129, %130, %131}"
+
+#define FC_ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                      "+f"(d[i + 6]), "+f"(d[i + 7])
+#define FC_ACC32(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24)
+#define FC_ACC64(d) FC_ACC32(d), FC_ACC8(d, 32), FC_ACC8(d, 40), FC_ACC8(d, 48), FC_ACC8(d, 56)
+#define FC_ACC128(d) FC_ACC64(d), FC_ACC8(d, 64), FC_ACC8(d, 72), FC_ACC8(d, 80), FC_ACC8(d, 88), FC_ACC8(d, 96), \
+                     FC_ACC8(d, 104), FC_ACC8(d, 112), FC_ACC8(d, 120)
+
+// A and B in shared memory, both K-major (tnspA = tnspB = 0); scale_d = 0 overwrites D.
+// R: accumulator registers; DA, DB, SD: the operand numbers after them.
+#define FC_WGMMA_SS(N, R, T, DA, DB, SD)                                                                  \
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %" #SD ", 0;\n"                                    \
+                 " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." T "." T " " FC_REGS_##R ", %" #DA       \
+                 ", %" #DB ", p, 1, 1, 0, 0;\n}\n"                                                           \
+                 : FC_ACC##R(d)                                                                              \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+// A from registers; B in shared memory, N-major (tnspB = 1); D accumulates (scale-d 1).
+#define FC_WGMMA_RS(N, R, T, DB, SD)                                                                      \
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %" #SD ", 0;\n"                                    \
+                 " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." T "." T " " FC_REGS_##R ", " FC_AREGS_##R \
+                 ", %" #DB ", p, 1, 1, 1;\n}\n"                                                              \
+                 : FC_ACC##R(d)                                                                              \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+
+template <int N, bool Is_bf16>
+struct Wgmma {
+    static_assert(N == 64 || N == 128 || N == 256, "wgmma N of the sm90 kernels");
+    static constexpr int kRegs = N / 2;  // float32 accumulators per thread
+
+    static FC_DEVICE void ss(float (&d)[kRegs], u64 desc_a, u64 desc_b, int scale_d) {
+        if constexpr (N == 64) {
+            if constexpr (Is_bf16) FC_WGMMA_SS(64, 32, "bf16", 32, 33, 34); else FC_WGMMA_SS(64, 32, "f16", 32, 33, 34);
+        } else if constexpr (N == 128) {
+            if constexpr (Is_bf16) FC_WGMMA_SS(128, 64, "bf16", 64, 65, 66); else FC_WGMMA_SS(128, 64, "f16", 64, 65, 66);
+        } else {
+            if constexpr (Is_bf16) FC_WGMMA_SS(256, 128, "bf16", 128, 129, 130); else FC_WGMMA_SS(256, 128, "f16", 128, 129, 130);
+        }
+    }
+    static FC_DEVICE void rs(float (&d)[kRegs], const u32 (&a)[4], u64 desc_b) {
+        if constexpr (N == 64) {
+            if constexpr (Is_bf16) FC_WGMMA_RS(64, 32, "bf16", 36, 37); else FC_WGMMA_RS(64, 32, "f16", 36, 37);
+        } else if constexpr (N == 128) {
+            if constexpr (Is_bf16) FC_WGMMA_RS(128, 64, "bf16", 68, 69); else FC_WGMMA_RS(128, 64, "f16", 68, 69);
+        } else {
+            if constexpr (Is_bf16) FC_WGMMA_RS(256, 128, "bf16", 132, 133); else FC_WGMMA_RS(256, 128, "f16", 132, 133);
+        }
+    }
+};

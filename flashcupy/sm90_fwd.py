@@ -1,0 +1,197 @@
+"""The sm90 forward family: FlashAttention-3's Hopper forward (TMA, wgmma, a producer and two
+consumer warpgroups; cuda_src/fwd_sm90.cu), compiled by NVRTC for sm_90a.
+
+It serves padded batches of head dim 64, 128 or 256 without score mods on compute capability 9.0;
+everything else stays with the sm80 family, and `unsupported` says why. The tensor maps of q, k
+and v are encoded on the host for each call (cuda.bindings' cuTensorMapEncodeTiled) and cached by
+pointer, shape and strides, so a decode loop over the same buffers pays for them once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import build, params
+from .configs import cpp_bool, mask_flags
+from .launch import LaunchPlan, grid_blocks
+from .registry import Family
+
+NVRTC_OPTIONS = ("-std=c++17",)
+ARCH = "sm_90a"
+HEAD_DIMS = (64, 128, 256)
+BLOCK_M = 128
+THREADS = 384
+CHUNK = 64          # head-dim columns per 128-byte swizzle atom
+TMA_BYTES = 128     # one tensor map
+ARGS_TMA_OFFSET = 256  # Sm90FwdArgs: FwdParams, then the q, k, v tensor maps (64-byte aligned)
+
+
+@dataclass(frozen=True)
+class Sm90FwdTile:
+    block_n: int  # keys per pipeline stage
+    stages: int
+
+
+# Key block and pipeline depth by head dim (Sm90FwdTraits): 128-row q blocks, K and V tiles of
+# block_n keys, `stages` of each in flight.
+_TILES = {64: Sm90FwdTile(128, 2), 128: Sm90FwdTile(128, 2), 256: Sm90FwdTile(64, 2)}
+
+
+def smem_bytes(head_dim: int, tile: Sm90FwdTile) -> int:
+    """Q, stages x (K, V), the mbarriers, and 1024 bytes to align the swizzled tiles (fwd_sm90.cu)."""
+    q = BLOCK_M * head_dim * 2
+    kv = tile.block_n * head_dim * 2
+    return q + 2 * tile.stages * kv + (1 + 3 * tile.stages) * 8 + 1024
+
+
+@dataclass(frozen=True)
+class Sm90FwdVariant:
+    head_dim: int
+    tile: Sm90FwdTile
+    mask: str   # one of configs.MASKS
+    dtype: str
+
+    source = "fwd_sm90.cu"
+    nvrtc_options = NVRTC_OPTIONS + (f"-arch={ARCH}",)
+
+    @property
+    def name_expression(self) -> str:
+        t = self.tile
+        return (f"flash_fwd_sm90_kernel<{self.head_dim}, {t.block_n}, {t.stages}, {mask_flags(self.mask)}, "
+                f"{cpp_bool(self.dtype == 'bfloat16')}>")
+
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes(self.head_dim, self.tile)
+
+    @property
+    def layout_check(self) -> str:
+        t = self.tile
+        return (f"static_assert(Sm90FwdTraits<{self.head_dim}, {t.block_n}, {t.stages}>::kSmemBytes == "
+                f'{self.smem_bytes}, "flashcupy/sm90_fwd.py launches {self} with {self.smem_bytes} B");')
+
+    def __str__(self) -> str:
+        t = self.tile
+        return (f"fwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask} tile={BLOCK_M}x{t.block_n} "
+                f"stages={t.stages}")
+
+
+def variant(head_dim: int, dtype: str, mask: str) -> Sm90FwdVariant:
+    mask_flags(mask)  # validates
+    return Sm90FwdVariant(head_dim, _TILES[head_dim], mask, dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor maps
+# ----------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=4096)
+def tensor_map(ptr: int, dtype: str, shape: tuple, strides: tuple, box_rows: int) -> bytes:
+    """The 128 bytes of a TMA tensor map over a (batch, seqlen, heads, headdim) tensor at `ptr` with
+    element `strides`: a 4-D (headdim, seqlen, heads, batch) view whose boxes are 64 head-dim
+    columns x box_rows rows of one head, swizzled by 128 bytes; rows past seqlen read as zeros."""
+    from cuda.bindings import driver
+
+    batch, seqlen, heads, head_dim = shape
+    data_type = (driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if dtype == "bfloat16"
+                 else driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+    dims = [head_dim, seqlen, heads, batch]
+    # byte strides of the outer three dims; a dim of extent 1 may have any stride, TMA wants one
+    # that is a multiple of 16
+    byte_strides = [(s * 2 if n > 1 else 16) for s, n in ((strides[1], seqlen), (strides[2], heads),
+                                                          (strides[0], batch))]
+    err, tmap = driver.cuTensorMapEncodeTiled(
+        data_type, 4, ptr, dims, byte_strides, [CHUNK, box_rows, 1, 1], [1, 1, 1, 1],
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for shape {shape}, strides {strides}")
+    return ctypes.string_at(tmap.getPtr(), TMA_BYTES)
+
+
+def _map_of(array, dtype: str, box_rows: int) -> bytes:
+    itemsize = array.dtype.itemsize
+    return tensor_map(array.data.ptr, dtype, tuple(array.shape), tuple(s // itemsize for s in array.strides),
+                      box_rows)
+
+
+_ARGS_DTYPE = np.dtype({"names": ["p", "q", "k", "v"],
+                        "formats": [params.record_dtype("FwdParams"), "V128", "V128", "V128"],
+                        "offsets": [0, ARGS_TMA_OFFSET, ARGS_TMA_OFFSET + TMA_BYTES, ARGS_TMA_OFFSET + 2 * TMA_BYTES],
+                        "itemsize": ARGS_TMA_OFFSET + 3 * TMA_BYTES})
+
+
+def pack_args(fwd_record: np.void, maps) -> np.void:
+    """Sm90FwdArgs: the FwdParams record, then the q, k, v tensor maps."""
+    raw = bytearray(_ARGS_DTYPE.itemsize)
+    raw[:fwd_record.dtype.itemsize] = fwd_record.tobytes()
+    for i, m in enumerate(maps):
+        raw[ARGS_TMA_OFFSET + i * TMA_BYTES:ARGS_TMA_OFFSET + (i + 1) * TMA_BYTES] = m
+    return np.frombuffer(bytes(raw), _ARGS_DTYPE)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# The family
+# ----------------------------------------------------------------------------------------------
+
+def _bindings_missing() -> str | None:
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return "needs NVIDIA's cuda-bindings for its tensor maps (pip install 'flashcupy[cuda12]')"
+    return None
+
+
+class Sm90Forward(Family):
+    name = "sm90"
+    direction = "fwd"
+    archs = (ARCH,)
+    summary = "FlashAttention-3 forward: TMA, wgmma, producer/consumer warpgroups (cuda_src/fwd_sm90.cu)"
+
+    def runs_on(self, capability):
+        return capability == 90
+
+    def unsupported(self, problem, device):
+        if device.capability != 90:
+            return f"Hopper (compute capability 9.0) only; this GPU has {device.capability // 10}.{device.capability % 10}"
+        if problem.head_dim not in HEAD_DIMS:
+            return f"head dim {problem.head_dim} is not one of {HEAD_DIMS}"
+        if problem.is_varlen:
+            return "no varlen batches yet"
+        if problem.score_mod:
+            return "no softcap or ALiBi yet"
+        if problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0:
+            return "empty sequences"
+        if variant(problem.head_dim, problem.dtype, problem.band.mask).smem_bytes > device.smem_per_block_optin:
+            return "its tiles need more shared memory than this GPU grants a block"
+        return _bindings_missing()
+
+    def variant(self, problem, device) -> Sm90FwdVariant:
+        return variant(problem.head_dim, problem.dtype, problem.band.mask)
+
+    def variants(self, capability, smem_optin=None, head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"),
+                 masks=("none", "causal", "local"), score_mods=(False,), deterministic=(False, True)) -> list:
+        if not self.runs_on(capability) or False not in score_mods:
+            return []
+        return [variant(d, dt, m) for d in head_dims if d in HEAD_DIMS for dt in dtypes for m in masks]
+
+    def ci_cases(self) -> list:
+        return [(v, ARCH) for v in self.variants(90)]
+
+    def run(self, problem, device, q, k, v, out, lse) -> None:
+        var = self.variant(problem, device)
+        num_m = -(-problem.max_seqlen_q // BLOCK_M)
+        if problem.nheads > 65535 or problem.batch > 65535:
+            raise ValueError("the sm90 forward takes at most 65535 heads and 65535 batch entries; split the batch")
+        plan = LaunchPlan((grid_blocks(num_m, "q blocks"), problem.nheads, problem.batch), (THREADS, 1, 1),
+                          var.smem_bytes)
+        record = params.pack("FwdParams", params.fwd_values(problem, q, k, v, out, lse))
+        maps = (_map_of(q, problem.dtype, BLOCK_M), _map_of(k, problem.dtype, var.tile.block_n),
+                _map_of(v, problem.dtype, var.tile.block_n))
+        build.get_kernel(var)(plan.grid, plan.block, (pack_args(record, maps),), shared_mem=plan.smem_bytes)
