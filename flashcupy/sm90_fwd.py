@@ -104,8 +104,10 @@ def tensor_map(ptr: int, dtype: str, shape: tuple, strides: tuple, box_rows: int
     # that is a multiple of 16
     byte_strides = [(s * 2 if n > 1 else 16) for s, n in ((strides[1], seqlen), (strides[2], heads),
                                                           (strides[0], batch))]
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     err, tmap = driver.cuTensorMapEncodeTiled(
-        data_type, 4, ptr, dims, byte_strides, [CHUNK, box_rows, 1, 1], [1, 1, 1, 1],
+        data_type, 4, ptr, [u64(x) for x in dims], [u64(x) for x in byte_strides],
+        [u32(x) for x in (CHUNK, box_rows, 1, 1)], [u32(1)] * 4,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
