@@ -34,6 +34,15 @@ struct OnlineSoftmax {
     // probabilities in place, and rescale the output accumulator o[mt][dt][4] by exp2(m_old - m_new).
     template <int kNTiles, int kDTiles>
     FC_DEVICE void update(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kDTiles][4], float scale_log2) {
+        float alpha[kRows];
+        probs(s, scale_log2, alpha);
+        rescale(o, alpha);
+    }
+
+    // The first half of update: maxima, probabilities and sums; alpha[r] = exp2(m_old - m_new) of
+    // each row, for rescale. Apart, so that O can still be accumulating while they run (sm90).
+    template <int kNTiles>
+    FC_DEVICE void probs(float (&s)[kMTiles][kNTiles][4], float scale_log2, float (&alpha)[kRows]) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -46,7 +55,7 @@ struct OnlineSoftmax {
                 // A row that has seen only masked keys keeps max -inf; subtracting 0 instead of
                 // -inf keeps exp2 at 0 rather than NaN.
                 const float m_scaled = (m == -FC_INF) ? 0.f : m * scale_log2;
-                const float alpha = fast_exp2(row_max[r] * scale_log2 - m_scaled);
+                alpha[r] = fast_exp2(row_max[r] * scale_log2 - m_scaled);
                 row_max[r] = m;
                 float sum = 0.f;
 #pragma unroll
@@ -57,14 +66,19 @@ struct OnlineSoftmax {
                         sum += s[mt][nt][e];
                     }
                 }
-                row_sum[r] = row_sum[r] * alpha + sum;
-#pragma unroll
-                for (int dt = 0; dt < kDTiles; ++dt) {
-                    o[mt][dt][2 * h] *= alpha;
-                    o[mt][dt][2 * h + 1] *= alpha;
-                }
+                row_sum[r] = row_sum[r] * alpha[r] + sum;
             }
         }
+    }
+
+    template <int kDTiles>
+    FC_DEVICE void rescale(float (&o)[kMTiles][kDTiles][4], const float (&alpha)[kRows]) const {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[mt][dt][e] *= alpha[2 * mt + e / 2];
     }
 
     // Reduce the row sums across the quad, scale o by 1 / denominator and return each row's
