@@ -3,18 +3,22 @@
 //
 // One thread block of three warpgroups per (q block of kBlockM = 128 rows, head, batch):
 //   warpgroup 0, producer (24 registers per thread): one thread issues the TMA loads: Q_i once,
-//       then K_j and V_j of every key block the q block sees into stage j % kStages, each stage
-//       waiting until the consumers have released it (empty barrier), each load completing on the
-//       stage's full barrier with its byte count;
-//   warpgroups 1 and 2, consumers (240 registers): 64 rows of the q block each, for every key
-//       block j (the last, masked one first, as the sm80 kernel):
-//           wait K_j;  S = Q_i K_j^T                   // wgmma, both operands in shared memory
-//           mask S where j straddles seqlen_k or the band
-//           m_new = max(m, rowmax(S)); P = exp2(S c - m_new c); l = l exp2(m - m_new) + rowsum(P)
-//           O = O exp2(m - m_new);  P -> 16-bit A fragments, in registers
-//           wait V_j;  O += P V_j                      // wgmma, P from registers, V in shared memory
-//           release stage j
-//       then O /= l, LSE = m softmax_scale + ln(l) (a sink joins l), O and LSE to global memory.
+//       then K_j and V_j of every key block the q block sees into stage j % kStages, each waiting
+//       until the consumers have released that stage's K or V (empty barriers), each completing on
+//       its full barrier with its byte count;
+//   warpgroups 1 and 2, consumers (240 registers): 64 rows of the q block each. Over the key blocks
+//       (the last, masked one first, as in the sm80 kernel), with FlashAttention-3's overlap of
+//       softmax and GEMMs inside a warpgroup (the next S is computed while this P V runs):
+//           S = Q_i K_first^T; softmax -> P                    // prologue
+//           for each next key block j, previous block j':
+//               issue S = Q_i K_j^T                         // wgmma, Q and K in shared memory
+//               issue O += P V_j'                           // wgmma, P from registers
+//               wait S; release K_j; mask S where j straddles seqlen_k or the band
+//               m_new = max(m, rowmax(S)); P = exp2(S c - m_new c); l = l exp2(m - m_new) + rowsum(P)
+//               wait P V; release V_j'; O = O exp2(m - m_new)
+//           O += P V_last; O /= l, LSE = m softmax_scale + ln(l) (a sink joins l); O, LSE to memory.
+//       The two warpgroups share the tensor cores as their GEMMs come; an explicit ping-pong
+//       (named barriers alternating their GEMMs) measured 26-35% slower here (docs/PERF_NOTES.md).
 // The wgmma accumulators of a warp hold its 16 rows in the mma.sync m16n8 layout (sm90.cuh), so
 // the online softmax and the mask are softmax.cuh's and mask.cuh's, shared with the sm80 kernels.
 //
@@ -32,6 +36,7 @@ struct Sm90FwdTraits {
     static constexpr int kBlockM = 128;            // two consumer warpgroups of 64 rows
     static constexpr int kThreads = 384;           // producer + 2 consumer warpgroups
     static constexpr int kConsumers = 256;
+
     static constexpr int kChunk = 64;              // head-dim columns per 128-byte swizzle atom
     static constexpr int kChunks = kHeadDim / kChunk;
     static constexpr int kQBytes = kBlockM * kHeadDim * 2;
@@ -39,7 +44,7 @@ struct Sm90FwdTraits {
     static constexpr int kOffK = kQBytes;
     static constexpr int kOffV = kOffK + kStages * kKVBytes;
     static constexpr int kOffBar = kOffV + kStages * kKVBytes;
-    static constexpr int kBarriers = 1 + 3 * kStages;       // Q full; per stage K full, V full, empty
+    static constexpr int kBarriers = 1 + 4 * kStages;  // Q full; per stage K full, V full, K empty, V empty
     // + 1024: the dynamic shared memory base is aligned up to the swizzle atom's 1024 bytes.
     static constexpr int kSmemBytes = kOffBar + kBarriers * 8 + 1024;
     static_assert(kHeadDim % kChunk == 0 && kHeadDim <= 256, "head dim: whole 64-column chunks");
@@ -68,7 +73,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     const u32 q_full = sBar;
     auto k_full = [&](int s) { return sBar + 8 * (1 + s); };
     auto v_full = [&](int s) { return sBar + 8 * (1 + kStages + s); };
-    auto empty = [&](int s) { return sBar + 8 * (1 + 2 * kStages + s); };
+    auto k_empty = [&](int s) { return sBar + 8 * (1 + 2 * kStages + s); };
+    auto v_empty = [&](int s) { return sBar + 8 * (1 + 3 * kStages + s); };
 
     const int num_m_blocks = gridDim.x;
     // Causal and local: the bottom q blocks see the most keys; they start first.
@@ -89,7 +95,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
         for (int s = 0; s < kStages; ++s) {
             mbar_init(k_full(s), 1);
             mbar_init(v_full(s), 1);
-            mbar_init(empty(s), T::kConsumers);
+            mbar_init(k_empty(s), T::kConsumers);
+            mbar_init(v_empty(s), T::kConsumers);
         }
         mbar_fence_init();
     }
@@ -107,12 +114,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
                 tma_load_4d(sQ + c * kBlockM * 128, &args.q, q_full, c * T::kChunk, row0, head, batch);
             for (int n_block = n_block_max - 1, it = 0; n_block >= n_block_min; --n_block, ++it) {
                 const int s = it % kStages;
-                mbar_wait(empty(s), ((it / kStages) & 1) ^ 1);
+                const u32 parity = ((it / kStages) & 1) ^ 1;  // a new barrier's "previous phase" has completed
+                mbar_wait(k_empty(s), parity);
                 mbar_arrive_expect_tx(k_full(s), T::kKVBytes);
 #pragma unroll
                 for (int c = 0; c < T::kChunks; ++c)
                     tma_load_4d(sK + s * T::kKVBytes + c * kBlockN * 128, &args.k, k_full(s), c * T::kChunk,
                                 n_block * kBlockN, kv_head, batch);
+                mbar_wait(v_empty(s), parity);
                 mbar_arrive_expect_tx(v_full(s), T::kKVBytes);
 #pragma unroll
                 for (int c = 0; c < T::kChunks; ++c)
@@ -137,47 +146,78 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     OnlineSoftmax<1> softmax;
 
     if (n_block_max > n_block_min) {
-        mbar_wait(q_full, 0);
         // Descriptors: K-major Q (this warpgroup's 64 rows) and K, 8-row groups 1024 bytes apart,
         // k steps of 16 columns 32 bytes apart inside a chunk; V N-major, chunks kBlockN * 128 bytes
         // apart along the head dim, 16 keys 2048 bytes apart.
         const u32 sQ_wg = sQ + consumer * 64 * 128;
-        for (int n_block = n_block_max - 1, it = 0; n_block >= n_block_min; --n_block, ++it) {
-            const int s = it % kStages;
-            const u32 parity = (it / kStages) & 1;
-            const u32 sK_s = sK + s * T::kKVBytes, sV_s = sV + s * T::kKVBytes;
-
-            float acc_s[1][kBlockN / 8][4];
-            float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
-            mbar_wait(k_full(s), parity);
-            wgmma_fence();
+        auto issue_s = [&](float (&s_flat)[kBlockN / 2], int stage) {  // S = Q_i K_j^T
+            const u32 sK_s = sK + stage * T::kKVBytes;
 #pragma unroll
-            for (int ks = 0; ks < kHeadDim / 16; ++ks) {  // S = Q_i K_j^T
+            for (int ks = 0; ks < kHeadDim / 16; ++ks) {
                 const u32 chunk = ks / 4, col_bytes = (ks % 4) * 32;
                 Wgmma<kBlockN, Is_bf16>::ss(s_flat, gmma_desc(sQ_wg + chunk * kBlockM * 128 + col_bytes, 16, 1024),
                                             gmma_desc(sK_s + chunk * kBlockN * 128 + col_bytes, 16, 1024), ks > 0);
             }
             wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs(s_flat);
-
-            if (mask.tile_needs_mask(row0, n_block)) mask.apply(acc_s, row0 + warp_row0, n_block * kBlockN, lane);
-            softmax.update(acc_s, acc_o, p.scale_log2);
-            u32 a_p[kBlockN / 16][4];
+        };
+        auto issue_pv = [&](const u32 (&a_p)[kBlockN / 16][4], int stage) {  // O += P V_j
+            const u32 sV_s = sV + stage * T::kKVBytes;
 #pragma unroll
-            for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
-
-            mbar_wait(v_full(s), parity);
-            fence_regs(o_flat);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kBlockN / 16; ++kk)  // O += P V_j
+            for (int kk = 0; kk < kBlockN / 16; ++kk)
                 Wgmma<kHeadDim, Is_bf16>::rs(o_flat, a_p[kk], gmma_desc(sV_s + kk * 2048, kBlockN * 128, 1024));
             wgmma_commit();
+        };
+        const int n_count = n_block_max - n_block_min;
+
+        float acc_s[1][kBlockN / 8][4];
+        float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
+        u32 a_p[kBlockN / 16][4];
+        float alpha[2];
+        mbar_wait(q_full, 0);
+        mbar_wait(k_full(0), 0);
+        wgmma_fence();
+        issue_s(s_flat, 0);
+        wgmma_wait<0>();
+        fence_regs(s_flat);
+        mbar_arrive(k_empty(0));
+        if (mask.tile_needs_mask(row0, n_block_max - 1))
+            mask.apply(acc_s, row0 + warp_row0, (n_block_max - 1) * kBlockN, lane);
+        softmax.probs(acc_s, p.scale_log2, alpha);  // O is still 0: nothing to rescale
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
+
+        for (int it = 1; it < n_count; ++it) {
+            const int n_block = n_block_max - 1 - it;
+            const int s = it % kStages, s_prev = (it - 1) % kStages;
+            const u32 parity = (it / kStages) & 1, parity_prev = ((it - 1) / kStages) & 1;
+            mbar_wait(k_full(s), parity);
+            fence_regs(s_flat);
+            fence_regs(o_flat);
+            wgmma_fence();
+            issue_s(s_flat, s);
+            mbar_wait(v_full(s_prev), parity_prev);
+            issue_pv(a_p, s_prev);
+            wgmma_wait<1>();  // S done; P V may still run
+            fence_regs(s_flat);
+            mbar_arrive(k_empty(s));
+            if (mask.tile_needs_mask(row0, n_block)) mask.apply(acc_s, row0 + warp_row0, n_block * kBlockN, lane);
+            softmax.probs(acc_s, p.scale_log2, alpha);
             wgmma_wait<0>();
             fence_regs(o_flat);
-            mbar_arrive(empty(s));
+            mbar_arrive(v_empty(s_prev));
+            softmax.rescale(acc_o, alpha);
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk)
+                acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
         }
+        const int s_last = (n_count - 1) % kStages;
+        mbar_wait(v_full(s_last), ((n_count - 1) / kStages) & 1);
+        fence_regs(o_flat);
+        wgmma_fence();
+        issue_pv(a_p, s_last);
+        wgmma_wait<0>();
+        fence_regs(o_flat);
+        mbar_arrive(v_empty(s_last));
     }
 
     float row_lse[2];

@@ -52,14 +52,6 @@ FC_DEVICE void regs_release() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0
 template <int kRegs>
 FC_DEVICE void regs_claim() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs)); }
 
-// ---- named barriers among some warps of the block ----------------------------------------------
-FC_DEVICE void named_bar_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-FC_DEVICE void named_bar_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 // ---- wgmma: D (64 x N, float32, registers) += A (64 x 16) * B (16 x N) for a warpgroup --------
 // Shared-memory operands are named by 64-bit descriptors (gmma_desc). The accumulator of warp w of
 // the warpgroup holds rows 16 w .. 16 w + 15 in the mma.sync m16n8 layout: d[4 j + e] is row

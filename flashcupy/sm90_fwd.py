@@ -45,7 +45,7 @@ def smem_bytes(head_dim: int, tile: Sm90FwdTile) -> int:
     """Q, stages x (K, V), the mbarriers, and 1024 bytes to align the swizzled tiles (fwd_sm90.cu)."""
     q = BLOCK_M * head_dim * 2
     kv = tile.block_n * head_dim * 2
-    return q + 2 * tile.stages * kv + (1 + 3 * tile.stages) * 8 + 1024
+    return q + 2 * tile.stages * kv + (1 + 4 * tile.stages) * 8 + 1024
 
 
 @dataclass(frozen=True)
