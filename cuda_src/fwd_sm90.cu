@@ -1,12 +1,13 @@
 // FlashAttention forward for Hopper (sm_90a): TMA loads into a multi-stage shared-memory pipeline,
 // wgmma on the tensor cores, and warp specialization (FlashAttention-3, sections 3.1-3.2).
 //
-// One thread block of three warpgroups per (q block of kBlockM = 128 rows, head, batch):
-//   warpgroup 0, producer (24 registers per thread): one thread issues the TMA loads: Q_i once,
+// One thread block per (q block of kBlockM = 128 or 192 rows, head, batch), of 1 + kBlockM / 64
+// warpgroups:
+//   warpgroup 0, producer (24 or 32 registers per thread): one thread issues the TMA loads: Q_i once,
 //       then K_j and V_j of every key block the q block sees into stage j % kStages, each waiting
 //       until the consumers have released that stage's K or V (empty barriers), each completing on
 //       its full barrier with its byte count;
-//   warpgroups 1 and 2, consumers (240 registers): 64 rows of the q block each. Over the key blocks
+//   the others, consumers (240 or 160 registers): 64 rows of the q block each. Over the key blocks
 //       (the last, masked one first, as in the sm80 kernel), with FlashAttention-3's overlap of
 //       softmax and GEMMs inside a warpgroup (the next S is computed while this P V runs):
 //           S = Q_i K_first^T; softmax -> P                    // prologue
@@ -30,12 +31,16 @@
 #include "mask.cuh"
 #include "params.cuh"
 
-template <int kHeadDim_, int kBlockN_, int kStages_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
 struct Sm90FwdTraits {
-    static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kStages = kStages_;
-    static constexpr int kBlockM = 128;            // two consumer warpgroups of 64 rows
-    static constexpr int kThreads = 384;           // producer + 2 consumer warpgroups
-    static constexpr int kConsumers = 256;
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
+    static constexpr int kConsumerWGs = kBlockM / 64;  // consumer warpgroups, 64 rows each
+    static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+    static constexpr int kConsumers = 128 * kConsumerWGs;
+    // Registers per thread after setmaxnreg: the producer gives up what the consumers take
+    // (64K registers per SM among kThreads threads).
+    static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;
+    static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
 
     static constexpr int kChunk = 64;              // head-dim columns per 128-byte swizzle atom
     static constexpr int kChunks = kHeadDim / kChunk;
@@ -48,6 +53,7 @@ struct Sm90FwdTraits {
     // + 1024: the dynamic shared memory base is aligned up to the swizzle atom's 1024 bytes.
     static constexpr int kSmemBytes = kOffBar + kBarriers * 8 + 1024;
     static_assert(kHeadDim % kChunk == 0 && kHeadDim <= 256, "head dim: whole 64-column chunks");
+    static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key block: a wgmma N");
     static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles on swizzle-atom boundaries");
 };
@@ -61,11 +67,10 @@ struct Sm90FwdArgs {
 static_assert(sizeof(FwdParams) <= 256 && sizeof(Sm90FwdArgs) == 256 + 3 * 128,
               "flashcupy/sm90_fwd.py lays the tensor maps at bytes 256, 384 and 512");
 
-template <int kHeadDim, int kBlockN, int kStages, bool Is_causal, bool Is_local, bool Is_bf16>
-__global__ void __launch_bounds__(384, 1)
+template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool Is_causal, bool Is_local, bool Is_bf16>
+__global__ void __launch_bounds__(128 * (1 + kBlockM / 64), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
-    using T = Sm90FwdTraits<kHeadDim, kBlockN, kStages>;
-    constexpr int kBlockM = T::kBlockM;
+    using T = Sm90FwdTraits<kHeadDim, kBlockM, kBlockN, kStages>;
     const FwdParams& p = args.p;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_u32(smem_raw) + 1023) & ~1023u;
@@ -103,7 +108,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     __syncthreads();
 
     if (warpgroup == 0) {  // ---- producer ----
-        regs_release<24>();
+        regs_release<T::kProducerRegs>();
         if (tid == 0 && n_block_max > n_block_min) {
             tma_prefetch_desc(&args.q);
             tma_prefetch_desc(&args.k);
@@ -133,7 +138,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     }
 
     // ---- consumers ----
-    regs_claim<240>();
+    regs_claim<T::kConsumerRegs>();
     const int consumer = warpgroup - 1;                          // rows 64 consumer .. of the q block
     const int warp_row0 = 64 * consumer + 16 * ((tid / 32) % 4);  // this warp's first row in the block
     const int g = lane >> 2, t = lane & 3;

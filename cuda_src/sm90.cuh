@@ -85,18 +85,28 @@ FC_DEVICE u64 gmma_desc(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
 }
 
 #define FC_REGS_32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define FC_REGS_40 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
+#define FC_REGS_48 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
 #define FC_REGS_64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define FC_REGS_88 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
+#define FC_REGS_96 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
 #define FC_REGS_128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 #define FC_AREGS_32 "{%32, %33, %34, %35}"
+#define FC_AREGS_40 "{%40, %41, %42, %43}"
+#define FC_AREGS_48 "{%48, %49, %50, %51}"
 #define FC_AREGS_64 "{%64, %65, %66, %67}"
+#define FC_AREGS_88 "{%88, %89, %90, %91}"
+#define FC_AREGS_96 "{%96, %97, %98, %99}"
 #define FC_AREGS_128 "{%128, %129, %130, %131}"
-
 #define FC_ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                       "+f"(d[i + 6]), "+f"(d[i + 7])
 #define FC_ACC32(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24)
-#define FC_ACC64(d) FC_ACC32(d), FC_ACC8(d, 32), FC_ACC8(d, 40), FC_ACC8(d, 48), FC_ACC8(d, 56)
-#define FC_ACC128(d) FC_ACC64(d), FC_ACC8(d, 64), FC_ACC8(d, 72), FC_ACC8(d, 80), FC_ACC8(d, 88), FC_ACC8(d, 96), \
-                     FC_ACC8(d, 104), FC_ACC8(d, 112), FC_ACC8(d, 120)
+#define FC_ACC40(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24), FC_ACC8(d, 32)
+#define FC_ACC48(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24), FC_ACC8(d, 32), FC_ACC8(d, 40)
+#define FC_ACC64(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24), FC_ACC8(d, 32), FC_ACC8(d, 40), FC_ACC8(d, 48), FC_ACC8(d, 56)
+#define FC_ACC88(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24), FC_ACC8(d, 32), FC_ACC8(d, 40), FC_ACC8(d, 48), FC_ACC8(d, 56), FC_ACC8(d, 64), FC_ACC8(d, 72), FC_ACC8(d, 80)
+#define FC_ACC96(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24), FC_ACC8(d, 32), FC_ACC8(d, 40), FC_ACC8(d, 48), FC_ACC8(d, 56), FC_ACC8(d, 64), FC_ACC8(d, 72), FC_ACC8(d, 80), FC_ACC8(d, 88)
+#define FC_ACC128(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24), FC_ACC8(d, 32), FC_ACC8(d, 40), FC_ACC8(d, 48), FC_ACC8(d, 56), FC_ACC8(d, 64), FC_ACC8(d, 72), FC_ACC8(d, 80), FC_ACC8(d, 88), FC_ACC8(d, 96), FC_ACC8(d, 104), FC_ACC8(d, 112), FC_ACC8(d, 120)
 
 // A and B in shared memory, both K-major (tnspA = tnspB = 0); scale_d = 0 overwrites D.
 // R: accumulator registers; DA, DB, SD: the operand numbers after them.
@@ -116,25 +126,31 @@ FC_DEVICE u64 gmma_desc(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
 
 template <int N, bool Is_bf16>
 struct Wgmma {
-    static_assert(N == 64 || N == 128 || N == 256, "wgmma N of the sm90 kernels");
+    static_assert(N == 64 || N == 80 || N == 96 || N == 128 || N == 176 || N == 192 || N == 256,
+                  "wgmma N of the sm90 kernels (add its register lists above for another)");
     static constexpr int kRegs = N / 2;  // float32 accumulators per thread
 
+#define FC_WGMMA_CASE(NN, R, MACRO, ...)                                                                \
+    if constexpr (N == NN) {                                                                             \
+        if constexpr (Is_bf16) MACRO(NN, R, "bf16", __VA_ARGS__); else MACRO(NN, R, "f16", __VA_ARGS__); \
+    }
     static FC_DEVICE void ss(float (&d)[kRegs], u64 desc_a, u64 desc_b, int scale_d) {
-        if constexpr (N == 64) {
-            if constexpr (Is_bf16) FC_WGMMA_SS(64, 32, "bf16", 32, 33, 34); else FC_WGMMA_SS(64, 32, "f16", 32, 33, 34);
-        } else if constexpr (N == 128) {
-            if constexpr (Is_bf16) FC_WGMMA_SS(128, 64, "bf16", 64, 65, 66); else FC_WGMMA_SS(128, 64, "f16", 64, 65, 66);
-        } else {
-            if constexpr (Is_bf16) FC_WGMMA_SS(256, 128, "bf16", 128, 129, 130); else FC_WGMMA_SS(256, 128, "f16", 128, 129, 130);
-        }
+        FC_WGMMA_CASE(64, 32, FC_WGMMA_SS, 32, 33, 34)
+        FC_WGMMA_CASE(80, 40, FC_WGMMA_SS, 40, 41, 42)
+        FC_WGMMA_CASE(96, 48, FC_WGMMA_SS, 48, 49, 50)
+        FC_WGMMA_CASE(128, 64, FC_WGMMA_SS, 64, 65, 66)
+        FC_WGMMA_CASE(176, 88, FC_WGMMA_SS, 88, 89, 90)
+        FC_WGMMA_CASE(192, 96, FC_WGMMA_SS, 96, 97, 98)
+        FC_WGMMA_CASE(256, 128, FC_WGMMA_SS, 128, 129, 130)
     }
     static FC_DEVICE void rs(float (&d)[kRegs], const u32 (&a)[4], u64 desc_b) {
-        if constexpr (N == 64) {
-            if constexpr (Is_bf16) FC_WGMMA_RS(64, 32, "bf16", 36, 37); else FC_WGMMA_RS(64, 32, "f16", 36, 37);
-        } else if constexpr (N == 128) {
-            if constexpr (Is_bf16) FC_WGMMA_RS(128, 64, "bf16", 68, 69); else FC_WGMMA_RS(128, 64, "f16", 68, 69);
-        } else {
-            if constexpr (Is_bf16) FC_WGMMA_RS(256, 128, "bf16", 132, 133); else FC_WGMMA_RS(256, 128, "f16", 132, 133);
-        }
+        FC_WGMMA_CASE(64, 32, FC_WGMMA_RS, 36, 37)
+        FC_WGMMA_CASE(80, 40, FC_WGMMA_RS, 44, 45)
+        FC_WGMMA_CASE(96, 48, FC_WGMMA_RS, 52, 53)
+        FC_WGMMA_CASE(128, 64, FC_WGMMA_RS, 68, 69)
+        FC_WGMMA_CASE(176, 88, FC_WGMMA_RS, 92, 93)
+        FC_WGMMA_CASE(192, 96, FC_WGMMA_RS, 100, 101)
+        FC_WGMMA_CASE(256, 128, FC_WGMMA_RS, 132, 133)
     }
+#undef FC_WGMMA_CASE
 };

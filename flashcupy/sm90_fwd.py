@@ -23,8 +23,6 @@ from .registry import Family
 NVRTC_OPTIONS = ("-std=c++17",)
 ARCH = "sm_90a"
 HEAD_DIMS = (64, 128, 256)
-BLOCK_M = 128
-THREADS = 384
 CHUNK = 64          # head-dim columns per 128-byte swizzle atom
 TMA_BYTES = 128     # one tensor map
 ARGS_TMA_OFFSET = 256  # Sm90FwdArgs: FwdParams, then the q, k, v tensor maps (64-byte aligned)
@@ -32,18 +30,24 @@ ARGS_TMA_OFFSET = 256  # Sm90FwdArgs: FwdParams, then the q, k, v tensor maps (6
 
 @dataclass(frozen=True)
 class Sm90FwdTile:
+    block_m: int  # query rows per thread block: 64 per consumer warpgroup
     block_n: int  # keys per pipeline stage
     stages: int
 
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.block_m // 64)  # a producer warpgroup and the consumers
 
-# Key block and pipeline depth by head dim (Sm90FwdTraits): 128-row q blocks, K and V tiles of
-# block_n keys, `stages` of each in flight.
-_TILES = {64: Sm90FwdTile(128, 2), 128: Sm90FwdTile(128, 2), 256: Sm90FwdTile(64, 2)}
+
+# Tiles by head dim (Sm90FwdTraits), measured on an H100 (docs/PERF_NOTES.md): at d = 64 three
+# consumer warpgroups (192 rows) keep the tensor cores busier than two; d = 256 takes 64-key
+# blocks so that O (128 registers a thread) still fits.
+_TILES = {64: Sm90FwdTile(192, 128, 2), 128: Sm90FwdTile(128, 128, 2), 256: Sm90FwdTile(128, 64, 2)}
 
 
 def smem_bytes(head_dim: int, tile: Sm90FwdTile) -> int:
     """Q, stages x (K, V), the mbarriers, and 1024 bytes to align the swizzled tiles (fwd_sm90.cu)."""
-    q = BLOCK_M * head_dim * 2
+    q = tile.block_m * head_dim * 2
     kv = tile.block_n * head_dim * 2
     return q + 2 * tile.stages * kv + (1 + 4 * tile.stages) * 8 + 1024
 
@@ -61,7 +65,7 @@ class Sm90FwdVariant:
     @property
     def name_expression(self) -> str:
         t = self.tile
-        return (f"flash_fwd_sm90_kernel<{self.head_dim}, {t.block_n}, {t.stages}, {mask_flags(self.mask)}, "
+        return (f"flash_fwd_sm90_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}, {mask_flags(self.mask)}, "
                 f"{cpp_bool(self.dtype == 'bfloat16')}>")
 
     @property
@@ -71,12 +75,12 @@ class Sm90FwdVariant:
     @property
     def layout_check(self) -> str:
         t = self.tile
-        return (f"static_assert(Sm90FwdTraits<{self.head_dim}, {t.block_n}, {t.stages}>::kSmemBytes == "
+        return (f"static_assert(Sm90FwdTraits<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}>::kSmemBytes == "
                 f'{self.smem_bytes}, "flashcupy/sm90_fwd.py launches {self} with {self.smem_bytes} B");')
 
     def __str__(self) -> str:
         t = self.tile
-        return (f"fwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask} tile={BLOCK_M}x{t.block_n} "
+        return (f"fwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask} tile={t.block_m}x{t.block_n} "
                 f"stages={t.stages}")
 
 
@@ -188,12 +192,13 @@ class Sm90Forward(Family):
 
     def run(self, problem, device, q, k, v, out, lse) -> None:
         var = self.variant(problem, device)
-        num_m = -(-problem.max_seqlen_q // BLOCK_M)
+        tile = var.tile
+        num_m = -(-problem.max_seqlen_q // tile.block_m)
         if problem.nheads > 65535 or problem.batch > 65535:
             raise ValueError("the sm90 forward takes at most 65535 heads and 65535 batch entries; split the batch")
-        plan = LaunchPlan((grid_blocks(num_m, "q blocks"), problem.nheads, problem.batch), (THREADS, 1, 1),
+        plan = LaunchPlan((grid_blocks(num_m, "q blocks"), problem.nheads, problem.batch), (tile.threads, 1, 1),
                           var.smem_bytes)
         record = params.pack("FwdParams", params.fwd_values(problem, q, k, v, out, lse))
-        maps = (_map_of(q, problem.dtype, BLOCK_M), _map_of(k, problem.dtype, var.tile.block_n),
-                _map_of(v, problem.dtype, var.tile.block_n))
+        maps = (_map_of(q, problem.dtype, tile.block_m), _map_of(k, problem.dtype, tile.block_n),
+                _map_of(v, problem.dtype, tile.block_n))
         build.get_kernel(var)(plan.grid, plan.block, (pack_args(record, maps),), shared_mem=plan.smem_bytes)
