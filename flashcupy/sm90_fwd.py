@@ -40,9 +40,9 @@ class Sm90FwdTile:
 
 
 # Tiles by head dim (Sm90FwdTraits), measured on an H100 (docs/PERF_NOTES.md): at d = 64 three
-# consumer warpgroups (192 rows) keep the tensor cores busier than two; d = 256 takes 64-key
+# consumer warpgroups (192 rows) keep the tensor cores busier than two; d = 256 takes 80-key
 # blocks so that O (128 registers a thread) still fits.
-_TILES = {64: Sm90FwdTile(192, 128, 2), 128: Sm90FwdTile(128, 128, 2), 256: Sm90FwdTile(128, 64, 2)}
+_TILES = {64: Sm90FwdTile(192, 128, 2), 128: Sm90FwdTile(128, 128, 2), 256: Sm90FwdTile(128, 80, 2)}
 
 
 def smem_bytes(head_dim: int, tile: Sm90FwdTile) -> int:
