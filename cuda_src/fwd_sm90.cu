@@ -29,6 +29,8 @@
 #include "sm90.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
+#include "seqlens.cuh"
+#include "score_mod.cuh"
 #include "params.cuh"
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
@@ -67,7 +69,8 @@ struct Sm90FwdArgs {
 static_assert(sizeof(FwdParams) <= 256 && sizeof(Sm90FwdArgs) == 256 + 3 * 128,
               "flashcupy/sm90_fwd.py lays the tensor maps at bytes 256, 384 and 512");
 
-template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool Is_causal, bool Is_local, bool Is_bf16>
+template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool Is_causal, bool Is_local, bool Is_bf16,
+          bool Has_score_mod>
 __global__ void __launch_bounds__(128 * (1 + kBlockM / 64), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     using T = Sm90FwdTraits<kHeadDim, kBlockM, kBlockN, kStages>;
@@ -86,8 +89,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     const int m_block = (Is_causal || Is_local) ? num_m_blocks - 1 - blockIdx.x : blockIdx.x;
     const int head = blockIdx.y, batch = blockIdx.z;
     const int kv_head = head / p.heads_per_kv_head;
-    const int seqlen_q = p.max_seqlen_q, seqlen_k = p.max_seqlen_k;
+    const SeqLens seq(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.max_seqlen_q, p.max_seqlen_k);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
     const int row0 = m_block * kBlockM;
+    if (row0 >= seqlen_q) return;  // varlen: past this sequence's end (the whole block leaves)
+    // Tensor-map coordinates: a packed varlen tensor is one batch entry of all sequences' rows; the
+    // rows a box takes past this sequence belong to the next one (or read as zeros at the end) and
+    // are masked (keys) or never stored (queries).
+    const int tma_batch = p.cu_seqlens_q ? 0 : batch;
+    const int q_row = seq.q_start + row0, k_row0 = seq.k_start;
     const int band_offset = p.align_bottom_right ? seqlen_k - seqlen_q : 0;
     const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, p.window_left,
                                                           p.window_right};
@@ -116,7 +126,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
             mbar_arrive_expect_tx(q_full, T::kQBytes);
 #pragma unroll
             for (int c = 0; c < T::kChunks; ++c)
-                tma_load_4d(sQ + c * kBlockM * 128, &args.q, q_full, c * T::kChunk, row0, head, batch);
+                tma_load_4d(sQ + c * kBlockM * 128, &args.q, q_full, c * T::kChunk, q_row, head, tma_batch);
             for (int n_block = n_block_max - 1, it = 0; n_block >= n_block_min; --n_block, ++it) {
                 const int s = it % kStages;
                 const u32 parity = ((it / kStages) & 1) ^ 1;  // a new barrier's "previous phase" has completed
@@ -125,13 +135,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
 #pragma unroll
                 for (int c = 0; c < T::kChunks; ++c)
                     tma_load_4d(sK + s * T::kKVBytes + c * kBlockN * 128, &args.k, k_full(s), c * T::kChunk,
-                                n_block * kBlockN, kv_head, batch);
+                                k_row0 + n_block * kBlockN, kv_head, tma_batch);
                 mbar_wait(v_empty(s), parity);
                 mbar_arrive_expect_tx(v_full(s), T::kKVBytes);
 #pragma unroll
                 for (int c = 0; c < T::kChunks; ++c)
                     tma_load_4d(sV + s * T::kKVBytes + c * kBlockN * 128, &args.v, v_full(s), c * T::kChunk,
-                                n_block * kBlockN, kv_head, batch);
+                                k_row0 + n_block * kBlockN, kv_head, tma_batch);
             }
         }
         return;
@@ -149,6 +159,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
         for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
     float(&o_flat)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(acc_o);
     OnlineSoftmax<1> softmax;
+    const ScoreMod mod(p.softmax_scale, p.softcap, p.alibi_slopes, p.alibi_batch_stride, batch, head, band_offset);
+    // With score mods S is in natural units before the softmax (score_mod.cuh).
+    const float score_log2 = Has_score_mod ? 1.4426950408889634f : p.scale_log2;
 
     if (n_block_max > n_block_min) {
         // Descriptors: K-major Q (this warpgroup's 64 rows) and K, 8-row groups 1024 bytes apart,
@@ -185,9 +198,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
         wgmma_wait<0>();
         fence_regs(s_flat);
         mbar_arrive(k_empty(0));
+        if (Has_score_mod) apply_score_mod(mod, acc_s, row0 + warp_row0, (n_block_max - 1) * kBlockN, lane);
         if (mask.tile_needs_mask(row0, n_block_max - 1))
             mask.apply(acc_s, row0 + warp_row0, (n_block_max - 1) * kBlockN, lane);
-        softmax.probs(acc_s, p.scale_log2, alpha);  // O is still 0: nothing to rescale
+        softmax.probs(acc_s, score_log2, alpha);  // O is still 0: nothing to rescale
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
 
@@ -205,8 +219,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
             wgmma_wait<1>();  // S done; P V may still run
             fence_regs(s_flat);
             mbar_arrive(k_empty(s));
+            if (Has_score_mod) apply_score_mod(mod, acc_s, row0 + warp_row0, n_block * kBlockN, lane);
             if (mask.tile_needs_mask(row0, n_block)) mask.apply(acc_s, row0 + warp_row0, n_block * kBlockN, lane);
-            softmax.probs(acc_s, p.scale_log2, alpha);
+            softmax.probs(acc_s, score_log2, alpha);
             wgmma_wait<0>();
             fence_regs(o_flat);
             mbar_arrive(v_empty(s_prev));
@@ -226,9 +241,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     }
 
     float row_lse[2];
-    softmax.finalize(acc_o, p.softmax_scale, p.sinks ? p.sinks[head] : -FC_INF, row_lse);
-    u16* gO = p.out + batch * p.o_batch_stride + head * p.o_head_stride;
-    float* gLse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride;
+    softmax.finalize(acc_o, Has_score_mod ? 1.f : p.softmax_scale, p.sinks ? p.sinks[head] : -FC_INF, row_lse);
+    u16* gO = p.out + batch * p.o_batch_stride + head * p.o_head_stride + i64(seq.q_start) * p.o_row_stride;
+    float* gLse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_start;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int row = row0 + warp_row0 + g + 8 * h;

@@ -1,8 +1,9 @@
 """The sm90 forward family: FlashAttention-3's Hopper forward (TMA, wgmma, a producer and two
 consumer warpgroups; cuda_src/fwd_sm90.cu), compiled by NVRTC for sm_90a.
 
-It serves padded batches of head dim 64, 128 or 256 without score mods on compute capability 9.0;
-everything else stays with the sm80 family, and `unsupported` says why. The tensor maps of q, k
+It serves head dims 64, 128 and 256 on compute capability 9.0, with every option of the API (masks,
+GQA, varlen, softcap, ALiBi, sinks); other head dims stay with the sm80 family, and `unsupported`
+says why. The tensor maps of q, k
 and v are encoded on the host for each call (cuda.bindings' cuTensorMapEncodeTiled) and cached by
 pointer, shape and strides, so a decode loop over the same buffers pays for them once.
 """
@@ -58,6 +59,7 @@ class Sm90FwdVariant:
     tile: Sm90FwdTile
     mask: str   # one of configs.MASKS
     dtype: str
+    score_mod: bool = False  # softcap / ALiBi (cuda_src/score_mod.cuh)
 
     source = "fwd_sm90.cu"
     nvrtc_options = NVRTC_OPTIONS + (f"-arch={ARCH}",)
@@ -66,7 +68,7 @@ class Sm90FwdVariant:
     def name_expression(self) -> str:
         t = self.tile
         return (f"flash_fwd_sm90_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}, {mask_flags(self.mask)}, "
-                f"{cpp_bool(self.dtype == 'bfloat16')}>")
+                f"{cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.score_mod)}>")
 
     @property
     def smem_bytes(self) -> int:
@@ -80,13 +82,14 @@ class Sm90FwdVariant:
 
     def __str__(self) -> str:
         t = self.tile
-        return (f"fwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask} tile={t.block_m}x{t.block_n} "
+        return (f"fwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask}{'+score_mod' if self.score_mod else ''} "
+                f"tile={t.block_m}x{t.block_n} "
                 f"stages={t.stages}")
 
 
-def variant(head_dim: int, dtype: str, mask: str) -> Sm90FwdVariant:
+def variant(head_dim: int, dtype: str, mask: str, score_mod: bool = False) -> Sm90FwdVariant:
     mask_flags(mask)  # validates
-    return Sm90FwdVariant(head_dim, _TILES[head_dim], mask, dtype)
+    return Sm90FwdVariant(head_dim, _TILES[head_dim], mask, dtype, bool(score_mod))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,9 +125,13 @@ def tensor_map(ptr: int, dtype: str, shape: tuple, strides: tuple, box_rows: int
 
 
 def _map_of(array, dtype: str, box_rows: int) -> bytes:
+    """The tensor map of a (batch, seqlen, heads, headdim) array, or of a packed varlen
+    (total, heads, headdim) one as a single batch entry."""
     itemsize = array.dtype.itemsize
-    return tensor_map(array.data.ptr, dtype, tuple(array.shape), tuple(s // itemsize for s in array.strides),
-                      box_rows)
+    shape, strides = tuple(array.shape), tuple(s // itemsize for s in array.strides)
+    if len(shape) == 3:
+        shape, strides = (1, *shape), (0, *strides)
+    return tensor_map(array.data.ptr, dtype, shape, strides, box_rows)
 
 
 _ARGS_DTYPE = np.dtype({"names": ["p", "q", "k", "v"],
@@ -168,10 +175,6 @@ class Sm90Forward(Family):
             return f"Hopper (compute capability 9.0) only; this GPU has {device.capability // 10}.{device.capability % 10}"
         if problem.head_dim not in HEAD_DIMS:
             return f"head dim {problem.head_dim} is not one of {HEAD_DIMS}"
-        if problem.is_varlen:
-            return "no varlen batches yet"
-        if problem.score_mod:
-            return "no softcap or ALiBi yet"
         if problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0:
             return "empty sequences"
         if variant(problem.head_dim, problem.dtype, problem.band.mask).smem_bytes > device.smem_per_block_optin:
@@ -179,13 +182,14 @@ class Sm90Forward(Family):
         return _bindings_missing()
 
     def variant(self, problem, device) -> Sm90FwdVariant:
-        return variant(problem.head_dim, problem.dtype, problem.band.mask)
+        return variant(problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod)
 
     def variants(self, capability, smem_optin=None, head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"),
-                 masks=("none", "causal", "local"), score_mods=(False,), deterministic=(False, True)) -> list:
-        if not self.runs_on(capability) or False not in score_mods:
+                 masks=("none", "causal", "local"), score_mods=(False, True), deterministic=(False, True)) -> list:
+        if not self.runs_on(capability):
             return []
-        return [variant(d, dt, m) for d in head_dims if d in HEAD_DIMS for dt in dtypes for m in masks]
+        return [variant(d, dt, m, mod) for d in head_dims if d in HEAD_DIMS for dt in dtypes for m in masks
+                for mod in score_mods]
 
     def ci_cases(self) -> list:
         return [(v, ARCH) for v in self.variants(90)]

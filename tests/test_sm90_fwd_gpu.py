@@ -94,9 +94,76 @@ def test_refuses_what_it_does_not_serve():
     q = randn(rng, (1, 64, 2, 96), "float16")
     with pytest.raises(ValueError, match="backend= 'sm90' cannot compute this fwd: head dim 96"):
         flashcupy.flash_attn_func(q, q, q, backend="sm90")
-    q = randn(rng, (1, 64, 2, 64), "float16")
-    with pytest.raises(ValueError, match="no softcap or ALiBi yet"):
-        flashcupy.flash_attn_func(q, q, q, softcap=5.0, backend="sm90")
-    # and the default dispatch falls back to sm80 for those
+    # the default dispatch falls back to sm80 there
     out = flashcupy.flash_attn_func(q, q, q, alibi_slopes=cupy.full((2,), 0.1, cupy.float32))
     assert not np.isnan(to_host64(out)).any()
+
+
+SCORE_MODS = [
+    ({"softcap": 2.0}, "softcap"),
+    ({"causal": True, "alibi": "heads"}, "alibi-causal"),
+    ({"window_size": (200, 64), "alignment": "top_left", "softcap": 5.0, "alibi": "batch"}, "all"),
+]
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", SCORE_MODS, ids=[c[1] for c in SCORE_MODS])
+def test_softcap_alibi(dtype_name, head_dim, case):
+    import cupy
+
+    options, _ = case
+    options = dict(options)
+    rng = np.random.default_rng(head_dim + len(options))
+    batch, nheads = 2, 4
+    q = randn(rng, (batch, 517, nheads, head_dim), dtype_name)
+    k, v = (randn(rng, (batch, 700, 2, head_dim), dtype_name) for _ in range(2))
+    alibi = options.pop("alibi", None)
+    if alibi:
+        shape = (nheads,) if alibi == "heads" else (batch, nheads)
+        options["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.3, shape).astype(np.float32))
+    import flashcupy
+    from flashcupy.reference import attention_ref
+
+    poison_pool((q.shape, q.dtype))
+    out = flashcupy.flash_attn_func(q, k, v, backend="sm90", **options)
+    host = {n: (to_host64(a) if n == "alibi_slopes" else a) for n, a in options.items()}
+    ref, _ = attention_ref(to_host64(q), to_host64(k), to_host64(v), **host)
+    assert rel_err(to_host64(out), ref) < REL_TOL[dtype_name]
+
+
+VARLEN = [([1, 17, 0, 127, 129, 1000], [5, 17, 3, 0, 300, 1000], {}),
+          ([300, 1, 2, 15, 16, 17], [300, 1, 2, 15, 16, 17], {"causal": True}),
+          ([17, 700, 0, 129], [900, 129, 33, 129], {"window_size": (64, 16), "sinks": True}),
+          ([129, 1, 300], [129, 1, 300], {"causal": True, "softcap": 3.0})]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("lengths_q, lengths_k, options", VARLEN)
+def test_varlen(head_dim, lengths_q, lengths_k, options):
+    import cupy
+
+    import flashcupy
+    from flashcupy.reference import attention_varlen_ref
+
+    rng = np.random.default_rng(sum(lengths_q) + head_dim)
+    nheads, nheads_k = 4, 2
+    q = randn(rng, (sum(lengths_q), nheads, head_dim), "bfloat16")
+    k, v = (randn(rng, (sum(lengths_k), nheads_k, head_dim), "bfloat16") for _ in range(2))
+    cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(x)]).astype(np.int32)) for x in (lengths_q, lengths_k))
+    options = dict(options)
+    if options.pop("sinks", None):
+        options["sinks"] = cupy.asarray(rng.uniform(-1, 2, nheads).astype(np.float32))
+    poison_pool((q.shape, q.dtype), ((nheads, q.shape[0]), cupy.float32))
+    out, lse = flashcupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), return_lse=True,
+                                                backend="sm90", **options)
+    host = {n: (to_host64(a) if n == "sinks" else a) for n, a in options.items()}
+    ref, ref_lse = attention_varlen_ref(to_host64(q), to_host64(k), to_host64(v), cu_q.get(), cu_k.get(), **host)
+    out_h = to_host64(out)
+    assert not np.isnan(out_h).any()
+    bounds = cu_q.get()
+    for b in range(len(lengths_q)):
+        rows = slice(bounds[b], bounds[b + 1])
+        if rows.start < rows.stop:
+            assert rel_err(out_h[rows], ref[rows]) < REL_TOL["bfloat16"], (b, lengths_q[b], lengths_k[b])
+    check_lse(lse, ref_lse)
