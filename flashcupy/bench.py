@@ -28,10 +28,10 @@ SCHEMA = "flashcupy-bench/1"
 
 MODES = ("fwd", "bwd", "fwdbwd")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
-IMPLS = ("flashcupy", "naive", "sdpa_flash", "sdpa_cudnn", "sdpa_mem_efficient")
+IMPLS = ("flashcupy", "naive", "sdpa_flash", "sdpa_cudnn", "sdpa_mem_efficient", "fa4")
 PEERS = IMPLS[1:]
 TORCH_PEERS = IMPLS[2:]
-DEFAULT_PEERS = ("naive", "sdpa_flash", "sdpa_cudnn")
+DEFAULT_PEERS = ("naive", "sdpa_flash", "sdpa_cudnn", "fa4")
 _SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
                   "sdpa_mem_efficient": "EFFICIENT_ATTENTION"}
 
@@ -60,7 +60,8 @@ FIELDS = {
     "nheads_k": "kv heads (GQA when fewer than nheads)",
     "window": "sliding window: causal with window_size=(window, 0), each query sees itself and `window` "
               "keys back; null for none",
-    "impl": "implementation: " + ", ".join(IMPLS),
+    "impl": "implementation: " + ", ".join(IMPLS) + " (fa4: FlashAttention-4's CuTe DSL kernels, flash_attn.cute)",
+    "family": "flashcupy: the kernel families that ran, forward / backward (registry.py); null for peers",
     "status": "ok, OOM (out of device memory), err (failed, see note) or n/a (cannot run this case, see note)",
     "ms": "median of `repeats` CUDA-event timings on the current stream, after the first call and "
           "`warmup` more untimed calls",
@@ -210,8 +211,26 @@ def fill_ratios(records: list[dict]) -> None:
 
 
 def new_record(shape: BenchShape, impl: str) -> dict:
-    return {**asdict(shape), "impl": impl, "status": "ok", "ms": None, "tflops": None, "ratio": None,
-            "first_call_ms": None, "peak_extra_bytes": None, "note": None}
+    return {**asdict(shape), "impl": impl, "family": flashcupy_families(shape) if impl == "flashcupy" else None,
+            "status": "ok", "ms": None, "tflops": None, "ratio": None, "first_call_ms": None,
+            "peak_extra_bytes": None, "note": None}
+
+
+def flashcupy_families(shape: BenchShape) -> str | None:
+    """"fwd family / bwd family" that flashcupy dispatches this shape to on the current GPU."""
+    from .device import device_info
+    from .problem import AttentionOptions, Problem
+    from .registry import select
+
+    options = AttentionOptions(causal=shape.causal,
+                               window_size=(-1, -1) if shape.window is None else (shape.window, 0))
+    problem = Problem.sketch(shape.head_dim, DTYPES[shape.dtype], options, shape.seqlen, shape.nheads,
+                             shape.nheads_k, shape.batch)
+    try:
+        info = device_info()
+        return " / ".join(select(direction, problem, info).name for direction in ("fwd", "bwd"))
+    except Exception:  # no GPU (tests of the table) or no family: the record still stands
+        return None
 
 
 def make_inputs(shape: BenchShape, seed: int = 0):
@@ -423,6 +442,8 @@ def _make_step(impl, shape, inputs):
         return _flashcupy_step(shape, inputs)
     if impl == "naive":
         return _naive_step(shape, inputs)
+    if impl == "fa4":
+        return _fa4_step(shape, inputs)
     return _sdpa_step(impl, shape, inputs)
 
 
@@ -519,6 +540,37 @@ def _sdpa_step(impl, shape, inputs):
         return torch.autograd.grad(attend(*leaves), leaves, dout_t)
 
     return forward_backward
+
+
+def _fa4_step(shape, inputs):
+    """FlashAttention-4 (flash_attn.cute, CuTe DSL; its Hopper kernels on sm90) on the same arrays,
+    through DLPack; the backward through torch.autograd.grad, as for SDPA."""
+    try:
+        from flash_attn.cute import flash_attn_func as fa4_func
+    except Exception as exc:
+        raise NotApplicable(f"flash_attn.cute is not importable ({type(exc).__name__}: "
+                            f"{_one_line(str(exc), 80)})") from None
+    import torch
+
+    q, k, v, dout = (None if a is None else torch.from_dlpack(a) for a in inputs)
+    options = {"causal": shape.causal}
+    if shape.window is not None:
+        options["window_size"] = (shape.window, 0)
+
+    def attend(q, k, v):
+        out = fa4_func(q, k, v, **options)
+        return out[0] if isinstance(out, tuple) else out
+
+    if shape.mode == "fwd":
+        def forward():
+            with torch.no_grad():
+                return attend(q, k, v)
+        return forward
+    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    if shape.mode == "bwd":
+        out = attend(*leaves)
+        return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    return lambda: torch.autograd.grad(attend(*leaves), leaves, dout)
 
 
 def torch_unavailable_reason() -> str | None:
@@ -669,7 +721,8 @@ def format_table(records: list[dict]) -> str:
                 continue
             ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else ""
             first = f"{r['first_call_ms']:.1f}" if r.get("first_call_ms") is not None else ""
-            lines.append(f"{lead}  {r['impl']:<18} {r['ms']:>9.3f} {r['tflops']:>8.1f} {ratio:>8} "
+            impl = f"{r['impl']} ({r['family']})" if r.get("family") else r["impl"]
+            lines.append(f"{lead}  {impl:<18} {r['ms']:>9.3f} {r['tflops']:>8.1f} {ratio:>8} "
                          f"{first:>11} {format_bytes(r.get('peak_extra_bytes')):>10}")
     if lines:
         lines += ["", "fc/peer: flashcupy TFLOP/s over the peer's; 1st call ms: wall time of the first call "

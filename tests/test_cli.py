@@ -373,7 +373,7 @@ def test_bench_command_glue(monkeypatch, tmp_path, fake_gpu):
             "--dtype", "fp16", "--mode", "fwd,bwd", "--repeats", "3", "--warmup", "1", "--json", str(json_path)]
     result = invoke(*args)
     assert result.exit_code == 0, result.output
-    assert "torch peers skipped (sdpa_flash, sdpa_cudnn): torch is not importable" in result.stderr
+    assert "torch peers skipped (sdpa_flash, sdpa_cudnn, fa4): torch is not importable" in result.stderr
     assert len(seen) == 2 * 2 * 2 * 3 and seen[0][1:] == (("flashcupy", "naive"), 3, 1)  # x plain, gqa, window
     for section in ("causal on\n", "causal on, GQA 16/4\n", "window 1024\n"):
         assert "fwd fp16  head dim 128 (16 heads)  " + section in result.stdout

@@ -8,12 +8,14 @@ import pickle
 
 import pytest
 
-from flashcupy import build, cli, configs, device, registry, sm80
+from flashcupy import build, cli, configs, device, registry, sm80, sm90_fwd
 from flashcupy.device import DeviceInfo
 from cli_helpers import FAKE_GPU, invoke, on_gpu
 
-# per device: fwd (6 head dims x 2 dtypes x 3 masks x score mods off/on), bwd (144 main + 36 helpers)
-ALL_KERNELS = 72 + 180
+# per Hopper device: fwd sm90 (3 head dims x 2 dtypes x 3 masks x score mods off/on) and sm80 (6 head
+# dims ...), bwd sm80 (144 main + 36 helpers)
+FWD_KERNELS = 36 + 72
+ALL_KERNELS = FWD_KERNELS + 180
 
 
 @pytest.fixture
@@ -70,25 +72,30 @@ def test_info_has_verbose_option():
 
 
 @pytest.mark.parametrize("capability", [80, 86, 89, 90])
-def test_variant_lists_match_configs_without_opt_in(capability):
-    assert cli.fwd_variants(capability) == sm80.Sm80Forward().variants(capability)
+def test_variant_lists_are_the_families(capability):
+    """Every family that runs on the capability, in dispatch order."""
+    hopper = sm90_fwd.Sm90Forward().variants(90) if capability == 90 else []
+    assert cli.fwd_variants(capability) == hopper + sm80.Sm80Forward().variants(capability)
     assert cli.bwd_variants(capability) == sm80.Sm80Backward().variants(capability)
 
 
 def test_variant_lists_follow_the_devices_opt_in():
     """An sm_90 part that grants only 99 KiB per block gets the small-smem tiles, as the dispatcher does."""
     small = 99 * 1024
-    assert cli.fwd_variants(90, small) == sm80.Sm80Forward().variants(86)
+    sm80_part = [v for v in cli.fwd_variants(90, small) if isinstance(v, sm80.FwdVariant)]
+    assert sm80_part == sm80.Sm80Forward().variants(86)
     assert cli.bwd_variants(90, small) == sm80.Sm80Backward().variants(86)
-    assert cli.fwd_variants(90, small) != sm80.Sm80Forward().variants(90)
-    for v in cli.fwd_variants(90, small):
+    assert sm80_part != sm80.Sm80Forward().variants(90)
+    for v in sm80_part:
         assert v == sm80.fwd_variant(v.head_dim, v.dtype, v.mask, 90, small, v.score_mod)
         assert v.smem_bytes <= small
 
 
 def test_variant_lists_filter():
     fwd = cli.fwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), masks=("causal",))
-    assert [str(v) for v in fwd] == ["fwd d=64 bfloat16 mask=causal tile=128x128 warps=4",
+    assert [str(v) for v in fwd] == ["fwd-sm90 d=64 bfloat16 mask=causal tile=192x128 stages=2",
+                                     "fwd-sm90 d=64 bfloat16 mask=causal+score_mod tile=192x128 stages=2",
+                                     "fwd d=64 bfloat16 mask=causal tile=128x128 warps=4",
                                      "fwd d=64 bfloat16 mask=causal+score_mod tile=128x128 warps=4"]
     bwd = cli.bwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), masks=("causal",), deterministic=(False,),
                            score_mods=(False,))
@@ -222,8 +229,8 @@ class FakePool:
 
 
 @pytest.mark.parametrize("args, count", [
-    (["--head-dims", "64", "--dtype", "bf16", "--direction", "fwd", "--score-mod", "off"], 3),
-    (["--direction", "fwd"], 72),
+    (["--head-dims", "64", "--dtype", "bf16", "--direction", "fwd", "--score-mod", "off"], 3 + 3),
+    (["--direction", "fwd"], FWD_KERNELS),
     ([], ALL_KERNELS),
     (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 16 + 12),
     (["--dtype", "fp16", "--causal", "off", "--head-dims", "32", "--score-mod", "on"], 1 + 2 + 3),
@@ -291,7 +298,7 @@ def test_info_counts_and_marks_cached_kernels(cache, fake_gpu):
     out = result.stdout
     assert f"kernel cache:         {cache} (" in out
     assert (f"compiled on disk:     3 of {ALL_KERNELS} flashcupy kernels this GPU can use "
-            "(fwd 2 of 72, bwd 1 of 180)") in out
+            f"(fwd 2 of {FWD_KERNELS}, bwd 1 of 180)") in out
     assert "`flashcupy compile` builds the rest" in out
     marked = [line.strip() for line in out.splitlines() if line.endswith("[on disk]")]
     assert marked == [f"{forward[2]}  [on disk]", f"{forward[5]}  [on disk]"]
@@ -382,4 +389,5 @@ def test_info_lists_the_families_and_who_serves_what(cache, fake_gpu):
     for family in registry.families():
         assert f"  {family.direction} {family.name:<8}{family.summary}" in out
     for head_dim in configs.SUPPORTED_HEAD_DIMS:
-        assert f"  d={head_dim:<4}plain: sm80 / sm80  causal: sm80 / sm80" in out
+        fwd = "sm90" if head_dim in sm90_fwd.HEAD_DIMS else "sm80"
+        assert f"  d={head_dim:<4}plain: {fwd} / sm80  causal: {fwd} / sm80" in out

@@ -73,8 +73,8 @@ def test_wheel_metadata(wheel):
     assert f"\nVersion: {flashcupy.__version__}\n" in metadata
     requires = [line.split(":", 1)[1].strip().replace(" ", "") for line in metadata.splitlines()
                 if line.startswith("Requires-Dist:")]
-    for extra, wanted in (("cuda12", ("cupy-cuda12x>=14", "nvidia-cuda-nvrtc-cu12")),
-                          ("cuda13", ("cupy-cuda13x>=14", "nvidia-cuda-nvrtc==13.*"))):
+    for extra, wanted in (("cuda12", ("cupy-cuda12x>=14", "nvidia-cuda-nvrtc-cu12", "cuda-bindings<13,>=12.8")),
+                          ("cuda13", ("cupy-cuda13x>=14", "nvidia-cuda-nvrtc==13.*", "cuda-bindings<14,>=13"))):
         for package in wanted:
             assert any(r.startswith(package + ";") and f'extra=="{extra}"' in r for r in requires), (package, requires)
     assert not any("nvrtc" in r and 'extra=="test"' in r for r in requires)

@@ -2,12 +2,13 @@
 
 import pytest
 
-from flashcupy import api, registry, sm80
+from flashcupy import api, registry, sm80, sm90_fwd
 from flashcupy.device import DeviceInfo
 from flashcupy.problem import BACKEND_ENV, AttentionOptions, Problem
 
 HOPPER = DeviceInfo(0, "H200", 90, 132, 227 * 1024, 141 << 30)
 TURING = DeviceInfo(0, "T4", 75, 40, 64 * 1024, 16 << 30)
+AMPERE = DeviceInfo(0, "A100", 80, 108, 163 * 1024, 80 << 30)
 
 
 def sketch(head_dim=128, **options):
@@ -23,19 +24,21 @@ def test_every_direction_has_a_family_and_names_are_unique_per_direction():
 
 
 def test_dispatch_takes_the_first_family_that_serves():
-    assert isinstance(registry.select("fwd", sketch(), HOPPER), sm80.Sm80Forward)
+    assert isinstance(registry.select("fwd", sketch(), HOPPER), sm90_fwd.Sm90Forward)
+    assert isinstance(registry.select("fwd", sketch(96), HOPPER), sm80.Sm80Forward)  # not an sm90 head dim
+    assert isinstance(registry.select("fwd", sketch(), AMPERE), sm80.Sm80Forward)
     assert isinstance(registry.select("bwd", sketch(causal=True), HOPPER), sm80.Sm80Backward)
 
 
 def test_no_family_says_why():
-    with pytest.raises(ValueError, match=r"no fwd kernel family serves this problem on T4 \(sm80: needs compute "
-                                         r"capability 8.0 or newer; this GPU has 7.5\)"):
+    with pytest.raises(ValueError, match=r"no fwd kernel family serves this problem on T4 \(sm90: Hopper .* "
+                                         r"sm80: needs compute capability 8.0 or newer; this GPU has 7.5\)"):
         registry.select("fwd", sketch(), TURING)
 
 
 def test_forced_backend():
     assert registry.select("fwd", sketch(), HOPPER, "sm80").name == "sm80"
-    with pytest.raises(ValueError, match=r"backend= 'sm99' is not a fwd kernel family; choose from sm80"):
+    with pytest.raises(ValueError, match=r"backend= 'sm99' is not a fwd kernel family; choose from sm90, sm80"):
         registry.select("fwd", sketch(), HOPPER, "sm99")
     with pytest.raises(ValueError, match=r"backend= 'sm80' cannot compute this bwd: needs compute capability"):
         registry.select("bwd", sketch(), TURING, "sm80")
