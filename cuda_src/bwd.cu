@@ -36,6 +36,7 @@
 // run the preprocess and dQ-convert kernels as one sequence of all packed rows.
 #include "ptx.cuh"
 #include "tile.cuh"
+#include "warp_mma.cuh"
 #include "grid.cuh"
 #include "mask.cuh"
 #include "seqlens.cuh"
@@ -336,10 +337,8 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
     const u32 sK_t = sK_base + tile_offset<kHeadDim>(0, dq_d0) + ldsm_lane_offset_a<kHeadDim>(lane);
 
     float acc_dk[T::kDPerWarp / 8][4], acc_dv[T::kDPerWarp / 8][4];
-#pragma unroll
-    for (int i = 0; i < T::kDPerWarp / 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+    clear_acc(acc_dk);
+    clear_acc(acc_dv);
 
     for (int it = 0; it < m_count; ++it) {
         const int m_block = m_block_min + it;
@@ -359,25 +358,15 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
 
         // S^T = K_j Q_i^T and dP^T = V_j dO_i^T: 16 keys of this warp x kBlockM queries.
         float acc_s[T::kQTiles][4], acc_dp[T::kQTiles][4];
-#pragma unroll
-        for (int nt = 0; nt < T::kQTiles; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[nt][e] = acc_dp[nt][e] = 0.f;
+        clear_acc(acc_s);
+        clear_acc(acc_dp);
 #pragma unroll
         for (int kd = 0; kd < kHeadDim / 16; ++kd) {
             u32 a_k[4], a_v[4];
             ldmatrix_x4(a_k, sK_a + tile_offset<kHeadDim>(0, 16 * kd));
             ldmatrix_x4(a_v, sV_a + tile_offset<kHeadDim>(0, 16 * kd));
-#pragma unroll
-            for (int qp = 0; qp < kBlockM / 16; ++qp) {
-                u32 b[4];
-                ldmatrix_x4(b, sQ_s + q_frag_b + tile_offset<kHeadDim>(16 * qp, 16 * kd));
-                mma_16816<Is_bf16>(acc_s[2 * qp], a_k, b[0], b[1]);
-                mma_16816<Is_bf16>(acc_s[2 * qp + 1], a_k, b[2], b[3]);
-                ldmatrix_x4(b, sdO_s + q_frag_b + tile_offset<kHeadDim>(16 * qp, 16 * kd));
-                mma_16816<Is_bf16>(acc_dp[2 * qp], a_v, b[0], b[1]);
-                mma_16816<Is_bf16>(acc_dp[2 * qp + 1], a_v, b[2], b[3]);
-            }
+            warp_mma_k16_x2<Is_bf16, false, kHeadDim>(one_m_tile(acc_s), one_m_tile(a_k), sQ_s,
+                                                      one_m_tile(acc_dp), one_m_tile(a_v), sdO_s, q_frag_b, 0, 16 * kd);
         }
 
         // Mask only blocks that straddle seqlen_k, seqlen_q or the diagonal. Element (nt, e) of this
@@ -412,43 +401,19 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
                 *reinterpret_cast<u32*>(row_g + 8) = a_ds[2];
                 *reinterpret_cast<u32*>(row_g + 8 * T::kPitchS + 8) = a_ds[3];
             }
-#pragma unroll
-            for (int dp = 0; dp < T::kDPerWarp / 16; ++dp) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, sdO_s + q_frag_t + tile_offset<kHeadDim>(16 * kq, 16 * dp));
-                mma_16816<Is_bf16>(acc_dv[2 * dp], a_p, b[0], b[1]);
-                mma_16816<Is_bf16>(acc_dv[2 * dp + 1], a_p, b[2], b[3]);
-                ldmatrix_x4_trans(b, sQ_s + q_frag_t + tile_offset<kHeadDim>(16 * kq, 16 * dp));
-                mma_16816<Is_bf16>(acc_dk[2 * dp], a_ds, b[0], b[1]);
-                mma_16816<Is_bf16>(acc_dk[2 * dp + 1], a_ds, b[2], b[3]);
-            }
+            warp_mma_k16_x2<Is_bf16, true, kHeadDim>(one_m_tile(acc_dv), one_m_tile(a_p), sdO_s,
+                                                     one_m_tile(acc_dk), one_m_tile(a_ds), sQ_s, q_frag_t, 16 * kq, 0);
         }
         __syncthreads();  // dS^T complete; every warp is done reading Q_i, dO_i
 
         // dQ_i += dS K_j: this warp's rows x kDqPerWarp columns, k over the block's keys.
         float acc_dq[T::kDqMTiles][T::kDqPerWarp / 8][4];
-#pragma unroll
-        for (int mt = 0; mt < T::kDqMTiles; ++mt)
-#pragma unroll
-            for (int i = 0; i < T::kDqPerWarp / 8; ++i)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_dq[mt][i][e] = 0.f;
+        clear_acc(acc_dq);
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             u32 a[T::kDqMTiles][4];
-#pragma unroll
-            for (int mt = 0; mt < T::kDqMTiles; ++mt)
-                ldmatrix_x4_trans(a[mt], sdS_t + tile_offset<kBlockM>(16 * kk, 16 * mt));
-#pragma unroll
-            for (int dp = 0; dp < T::kDqPerWarp / 16; ++dp) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, sK_t + tile_offset<kHeadDim>(16 * kk, 16 * dp));
-#pragma unroll
-                for (int mt = 0; mt < T::kDqMTiles; ++mt) {
-                    mma_16816<Is_bf16>(acc_dq[mt][2 * dp], a[mt], b[0], b[1]);
-                    mma_16816<Is_bf16>(acc_dq[mt][2 * dp + 1], a[mt], b[2], b[3]);
-                }
-            }
+            load_a_frags<true, kBlockM>(a, sdS_t, 16 * kk, 0);
+            warp_mma_k16<Is_bf16, true, kHeadDim>(acc_dq, a, sK_t, 16 * kk, 0);
         }
         int* sem = dq_semaphore + (i64(batch) * nheads + head) * ((max_seqlen_q + kBlockM - 1) / kBlockM) + m_block;
         // Deterministic: add in key-block order. The key blocks that reach q block i are a
