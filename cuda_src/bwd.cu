@@ -37,6 +37,7 @@
 #include "ptx.cuh"
 #include "tile.cuh"
 #include "warp_mma.cuh"
+#include "fragment.cuh"
 #include "grid.cuh"
 #include "mask.cuh"
 #include "seqlens.cuh"
@@ -152,27 +153,29 @@ flash_bwd_group_sum_kernel(const u16* __restrict__ per_head,  // (rows, nheads_k
 }
 
 // ---- main kernel ------------------------------------------------------------------------------
-// P^T = exp2(S^T c - LSE log2 e) and dS^T = P^T (dP^T - D), in place of S^T and dP^T. Element (nt, e)
-// of a thread is key `key + 8 (e / 2)` and query `row + 8 nt + (e % 2)`. A row that saw no key has
-// LSE -inf: using +inf there makes P 0 instead of NaN. With score mods each raw score first goes to
-// natural units (c = log2 e; masked ones stay -inf) and dS^T takes the softcap's derivative.
+// P^T = exp2(S^T c - LSE log2 e) and dS^T = P^T (dP^T - D), in place of S^T and dP^T; coords
+// (fragment.cuh) places the scores, its rows being keys and its columns queries. A row that saw no
+// key has LSE -inf: using +inf there makes P 0 instead of NaN. With score mods each raw score first
+// goes to natural units (c = log2 e; masked ones stay -inf) and dS^T takes the softcap's derivative.
 template <int kQTiles, bool Has_score_mod>
 struct ProbsAndGrads {
     float (&s)[kQTiles][4];
     float (&dp)[kQTiles][4];
-    const float* lse;    // LSE_i and D_i of this stage in shared memory, from this thread's first query
+    const float* lse;    // LSE_i and D_i of this stage in shared memory, at this thread's first query
     const float* delta;
     const ScoreMod& mod;
     float score_log2;
-    int row, key;        // this thread's first query and key
+    MmaAccCoordsFolded coords;
 
     template <bool kSoftcap, bool kAlibi>
     FC_DEVICE void run() {
         constexpr float kLog2e = 1.4426950408889634f;
 #pragma unroll
         for (int nt = 0; nt < kQTiles; ++nt) {
-            const float2 lse_pair = *reinterpret_cast<const float2*>(lse + 8 * nt);
-            const float2 d_pair = *reinterpret_cast<const float2*>(delta + 8 * nt);
+            // The two queries of a thread in a tile are adjacent: one float2 of LSE and one of D.
+            const int i = coords.col(nt, 0) - coords.col(0, 0);
+            const float2 lse_pair = *reinterpret_cast<const float2*>(lse + i);
+            const float2 d_pair = *reinterpret_cast<const float2*>(delta + i);
 #pragma unroll
             for (int e1 = 0; e1 < 2; ++e1) {
                 const float lse_row = e1 ? lse_pair.y : lse_pair.x;
@@ -182,7 +185,8 @@ struct ProbsAndGrads {
                 for (int h = 0; h < 2; ++h) {
                     const int e = 2 * h + e1;
                     float x = s[nt][e], dcap = 1.f;
-                    if (Has_score_mod && x != -FC_INF) x = mod.apply<kSoftcap, kAlibi>(x, row + 8 * nt + e1, key + 8 * h, dcap);
+                    if (Has_score_mod && x != -FC_INF)
+                        x = mod.apply<kSoftcap, kAlibi>(x, coords.col(nt, e1), coords.row(0, h), dcap);
                     const float p = fast_exp2(x * score_log2 - lse2);
                     s[nt][e] = p;
                     dp[nt][e] = Has_score_mod ? p * (dp[nt][e] - d_row) * dcap : p * (dp[nt][e] - d_row);
@@ -369,22 +373,22 @@ flash_bwd_kernel(const u16* __restrict__ q,     // (batch, seqlen_q, nheads,   h
                                                       one_m_tile(acc_dp), one_m_tile(a_v), sdO_s, q_frag_b, 0, 16 * kd);
         }
 
-        // Mask only blocks that straddle seqlen_k, seqlen_q or the diagonal. Element (nt, e) of this
-        // thread is key key0 + 16 kg + g + 8 (e / 2) and query row0 + 8 nt + 2 t + (e % 2).
+        // Mask only blocks that straddle seqlen_k, seqlen_q or the diagonal.
         if (row0 + kBlockM > seqlen_q || mask.tile_needs_mask(row0, n_block)) {
+            const MmaAccCoords st_coords(key0 + 16 * kg, row0, lane);  // rows: keys, columns: queries
 #pragma unroll
             for (int nt = 0; nt < T::kQTiles; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int key = key0 + 16 * kg + g + 8 * (e >> 1);
-                    const int row = row0 + 8 * nt + 2 * t + (e & 1);
+                    const int key = st_coords.row(0, e >> 1), row = st_coords.col(nt, e & 1);
                     if (row >= seqlen_q || mask.hidden(row, key)) acc_s[nt][e] = -FC_INF;
                 }
         }
         // P^T and dS^T in place of S^T and dP^T (ProbsAndGrads above).
-        ProbsAndGrads<T::kQTiles, Has_score_mod> probs{acc_s, acc_dp, sLse_s + 2 * t, sDelta_s + 2 * t, mod,
-                                                       Has_score_mod ? kLog2e : scale_log2, row0 + 2 * t,
-                                                       key0 + 16 * kg + g};
+        const MmaAccCoordsFolded st_folded = MmaAccCoords(key0 + 16 * kg, row0, lane).folded();
+        const int q0 = st_folded.col(0, 0) - row0;  // this thread's first query in the q block
+        ProbsAndGrads<T::kQTiles, Has_score_mod> probs{acc_s, acc_dp, sLse_s + q0, sDelta_s + q0, mod,
+                                                       Has_score_mod ? kLog2e : scale_log2, st_folded};
         if (Has_score_mod) mod.dispatch(probs);
         else probs.template run<false, false>();
 

@@ -21,6 +21,7 @@
 #include "ptx.cuh"
 #include "tile.cuh"
 #include "warp_mma.cuh"
+#include "fragment.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
 #include "grid.cuh"
@@ -133,8 +134,9 @@ flash_fwd_kernel(const u16* __restrict__ q,    // (batch, seqlen_q, nheads,   he
             load_a_frags<false, kHeadDim>(a, sQ_frag, 0, 16 * kd);
             warp_mma_k16<Is_bf16, false, kHeadDim>(acc_s, a, sK_frag, 0, 16 * kd);
         }
-        if (Has_score_mod) apply_score_mod(mod, acc_s, row0 + warp_row0, key0, lane);
-        if (mask.tile_needs_mask(row0, n_block)) mask.apply(acc_s, row0 + warp_row0, key0, lane);
+        const MmaAccCoords s_coords(row0 + warp_row0, key0, lane);  // rows: queries, columns: keys
+        if (Has_score_mod) apply_score_mod(mod, acc_s, s_coords);
+        if (mask.tile_needs_mask(row0, n_block)) mask.apply(acc_s, s_coords);
         softmax.update(acc_s, acc_o, score_log2);
 
         cp_async_wait<0>();
