@@ -38,6 +38,8 @@
 // run the preprocess and dQ-convert kernels as one sequence of all packed rows.
 #include "ptx.cuh"
 #include "tile.cuh"
+#include "warp_mma.cuh"
+#include "fragment.cuh"
 #include "grid.cuh"
 #include "mask.cuh"
 #include "seqlens.cuh"
@@ -153,27 +155,29 @@ flash_bwd_group_sum_kernel(const __grid_constant__ BwdParams p) {
 }
 
 // ---- main kernel ------------------------------------------------------------------------------
-// P^T = exp2(S^T c - LSE log2 e) and dS^T = P^T (dP^T - D), in place of S^T and dP^T. Element (nt, e)
-// of a thread is key `key + 8 (e / 2)` and query `row + 8 nt + (e % 2)`. A row that saw no key has
-// LSE -inf: using +inf there makes P 0 instead of NaN. With score mods each raw score first goes to
-// natural units (c = log2 e; masked ones stay -inf) and dS^T takes the softcap's derivative.
+// P^T = exp2(S^T c - LSE log2 e) and dS^T = P^T (dP^T - D), in place of S^T and dP^T; coords
+// (fragment.cuh) places the scores, its rows being keys and its columns queries. A row that saw no
+// key has LSE -inf: using +inf there makes P 0 instead of NaN. With score mods each raw score first
+// goes to natural units (c = log2 e; masked ones stay -inf) and dS^T takes the softcap's derivative.
 template <int kQTiles, bool Has_score_mod>
 struct ProbsAndGrads {
     float (&s)[kQTiles][4];
     float (&dp)[kQTiles][4];
-    const float* lse;    // LSE_i and D_i of this stage in shared memory, from this thread's first query
+    const float* lse;    // LSE_i and D_i of this stage in shared memory, at this thread's first query
     const float* delta;
     const ScoreMod& mod;
     float score_log2;
-    int row, key;        // this thread's first query and key
+    MmaAccCoordsFolded coords;
 
     template <bool kSoftcap, bool kAlibi>
     FC_DEVICE void run() {
         constexpr float kLog2e = 1.4426950408889634f;
 #pragma unroll
         for (int nt = 0; nt < kQTiles; ++nt) {
-            const float2 lse_pair = *reinterpret_cast<const float2*>(lse + 8 * nt);
-            const float2 d_pair = *reinterpret_cast<const float2*>(delta + 8 * nt);
+            // The two queries of a thread in a tile are adjacent: one float2 of LSE and one of D.
+            const int i = coords.col(nt, 0) - coords.col(0, 0);
+            const float2 lse_pair = *reinterpret_cast<const float2*>(lse + i);
+            const float2 d_pair = *reinterpret_cast<const float2*>(delta + i);
 #pragma unroll
             for (int e1 = 0; e1 < 2; ++e1) {
                 const float lse_row = e1 ? lse_pair.y : lse_pair.x;
@@ -183,7 +187,8 @@ struct ProbsAndGrads {
                 for (int h = 0; h < 2; ++h) {
                     const int e = 2 * h + e1;
                     float x = s[nt][e], dcap = 1.f;
-                    if (Has_score_mod && x != -FC_INF) x = mod.apply<kSoftcap, kAlibi>(x, row + 8 * nt + e1, key + 8 * h, dcap);
+                    if (Has_score_mod && x != -FC_INF)
+                        x = mod.apply<kSoftcap, kAlibi>(x, coords.col(nt, e1), coords.row(0, h), dcap);
                     const float p = fast_exp2(x * score_log2 - lse2);
                     s[nt][e] = p;
                     dp[nt][e] = Has_score_mod ? p * (dp[nt][e] - d_row) * dcap : p * (dp[nt][e] - d_row);
@@ -331,10 +336,8 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {  // params.cuh
     const u32 sK_t = sK_base + tile_offset<kHeadDim>(0, dq_d0) + ldsm_lane_offset_a<kHeadDim>(lane);
 
     float acc_dk[T::kDPerWarp / 8][4], acc_dv[T::kDPerWarp / 8][4];
-#pragma unroll
-    for (int i = 0; i < T::kDPerWarp / 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+    clear_acc(acc_dk);
+    clear_acc(acc_dv);
 
     for (int it = 0; it < m_count; ++it) {
         const int m_block = m_block_min + it;
@@ -354,43 +357,33 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {  // params.cuh
 
         // S^T = K_j Q_i^T and dP^T = V_j dO_i^T: 16 keys of this warp x kBlockM queries.
         float acc_s[T::kQTiles][4], acc_dp[T::kQTiles][4];
-#pragma unroll
-        for (int nt = 0; nt < T::kQTiles; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_s[nt][e] = acc_dp[nt][e] = 0.f;
+        clear_acc(acc_s);
+        clear_acc(acc_dp);
 #pragma unroll
         for (int kd = 0; kd < kHeadDim / 16; ++kd) {
             u32 a_k[4], a_v[4];
             ldmatrix_x4(a_k, sK_a + tile_offset<kHeadDim>(0, 16 * kd));
             ldmatrix_x4(a_v, sV_a + tile_offset<kHeadDim>(0, 16 * kd));
-#pragma unroll
-            for (int qp = 0; qp < kBlockM / 16; ++qp) {
-                u32 b[4];
-                ldmatrix_x4(b, sQ_s + q_frag_b + tile_offset<kHeadDim>(16 * qp, 16 * kd));
-                mma_16816<Is_bf16>(acc_s[2 * qp], a_k, b[0], b[1]);
-                mma_16816<Is_bf16>(acc_s[2 * qp + 1], a_k, b[2], b[3]);
-                ldmatrix_x4(b, sdO_s + q_frag_b + tile_offset<kHeadDim>(16 * qp, 16 * kd));
-                mma_16816<Is_bf16>(acc_dp[2 * qp], a_v, b[0], b[1]);
-                mma_16816<Is_bf16>(acc_dp[2 * qp + 1], a_v, b[2], b[3]);
-            }
+            warp_mma_k16_x2<Is_bf16, false, kHeadDim>(one_m_tile(acc_s), one_m_tile(a_k), sQ_s,
+                                                      one_m_tile(acc_dp), one_m_tile(a_v), sdO_s, q_frag_b, 0, 16 * kd);
         }
 
-        // Mask only blocks that straddle seqlen_k, seqlen_q or the diagonal. Element (nt, e) of this
-        // thread is key key0 + 16 kg + g + 8 (e / 2) and query row0 + 8 nt + 2 t + (e % 2).
+        // Mask only blocks that straddle seqlen_k, seqlen_q or the diagonal.
         if (row0 + kBlockM > seqlen_q || mask.tile_needs_mask(row0, n_block)) {
+            const MmaAccCoords st_coords(key0 + 16 * kg, row0, lane);  // rows: keys, columns: queries
 #pragma unroll
             for (int nt = 0; nt < T::kQTiles; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int key = key0 + 16 * kg + g + 8 * (e >> 1);
-                    const int row = row0 + 8 * nt + 2 * t + (e & 1);
+                    const int key = st_coords.row(0, e >> 1), row = st_coords.col(nt, e & 1);
                     if (row >= seqlen_q || mask.hidden(row, key)) acc_s[nt][e] = -FC_INF;
                 }
         }
         // P^T and dS^T in place of S^T and dP^T (ProbsAndGrads above).
-        ProbsAndGrads<T::kQTiles, Has_score_mod> probs{acc_s, acc_dp, sLse_s + 2 * t, sDelta_s + 2 * t, mod,
-                                                       Has_score_mod ? kLog2e : p.scale_log2, row0 + 2 * t,
-                                                       key0 + 16 * kg + g};
+        const MmaAccCoordsFolded st_folded = MmaAccCoords(key0 + 16 * kg, row0, lane).folded();
+        const int q0 = st_folded.col(0, 0) - row0;  // this thread's first query in the q block
+        ProbsAndGrads<T::kQTiles, Has_score_mod> probs{acc_s, acc_dp, sLse_s + q0, sDelta_s + q0, mod,
+                                                       Has_score_mod ? kLog2e : p.scale_log2, st_folded};
         if (Has_score_mod) mod.dispatch(probs);
         else probs.template run<false, false>();
 
@@ -407,43 +400,19 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {  // params.cuh
                 *reinterpret_cast<u32*>(row_g + 8) = a_ds[2];
                 *reinterpret_cast<u32*>(row_g + 8 * T::kPitchS + 8) = a_ds[3];
             }
-#pragma unroll
-            for (int dp = 0; dp < T::kDPerWarp / 16; ++dp) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, sdO_s + q_frag_t + tile_offset<kHeadDim>(16 * kq, 16 * dp));
-                mma_16816<Is_bf16>(acc_dv[2 * dp], a_p, b[0], b[1]);
-                mma_16816<Is_bf16>(acc_dv[2 * dp + 1], a_p, b[2], b[3]);
-                ldmatrix_x4_trans(b, sQ_s + q_frag_t + tile_offset<kHeadDim>(16 * kq, 16 * dp));
-                mma_16816<Is_bf16>(acc_dk[2 * dp], a_ds, b[0], b[1]);
-                mma_16816<Is_bf16>(acc_dk[2 * dp + 1], a_ds, b[2], b[3]);
-            }
+            warp_mma_k16_x2<Is_bf16, true, kHeadDim>(one_m_tile(acc_dv), one_m_tile(a_p), sdO_s,
+                                                     one_m_tile(acc_dk), one_m_tile(a_ds), sQ_s, q_frag_t, 16 * kq, 0);
         }
         __syncthreads();  // dS^T complete; every warp is done reading Q_i, dO_i
 
         // dQ_i += dS K_j: this warp's rows x kDqPerWarp columns, k over the block's keys.
         float acc_dq[T::kDqMTiles][T::kDqPerWarp / 8][4];
-#pragma unroll
-        for (int mt = 0; mt < T::kDqMTiles; ++mt)
-#pragma unroll
-            for (int i = 0; i < T::kDqPerWarp / 8; ++i)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_dq[mt][i][e] = 0.f;
+        clear_acc(acc_dq);
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
             u32 a[T::kDqMTiles][4];
-#pragma unroll
-            for (int mt = 0; mt < T::kDqMTiles; ++mt)
-                ldmatrix_x4_trans(a[mt], sdS_t + tile_offset<kBlockM>(16 * kk, 16 * mt));
-#pragma unroll
-            for (int dp = 0; dp < T::kDqPerWarp / 16; ++dp) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, sK_t + tile_offset<kHeadDim>(16 * kk, 16 * dp));
-#pragma unroll
-                for (int mt = 0; mt < T::kDqMTiles; ++mt) {
-                    mma_16816<Is_bf16>(acc_dq[mt][2 * dp], a[mt], b[0], b[1]);
-                    mma_16816<Is_bf16>(acc_dq[mt][2 * dp + 1], a[mt], b[2], b[3]);
-                }
-            }
+            load_a_frags<true, kBlockM>(a, sdS_t, 16 * kk, 0);
+            warp_mma_k16<Is_bf16, true, kHeadDim>(acc_dq, a, sK_t, 16 * kk, 0);
         }
         int* sem = dq_semaphore + (i64(batch) * p.nheads + head) * ((p.max_seqlen_q + kBlockM - 1) / kBlockM) + m_block;
         // Deterministic: add in key-block order. The key blocks that reach q block i are a

@@ -20,6 +20,8 @@
 // and shares K_j, V_j through shared memory, so no warp waits on another's partial results.
 #include "ptx.cuh"
 #include "tile.cuh"
+#include "warp_mma.cuh"
+#include "fragment.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
 #include "grid.cuh"
@@ -81,12 +83,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {  // params.cuh
     const int g = lane >> 2, t = lane & 3;
 
     float acc_o[T::kMTiles][T::kDTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < T::kMTiles; ++mt)
-#pragma unroll
-        for (int dt = 0; dt < T::kDTiles; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+    clear_acc(acc_o);
     OnlineSoftmax<T::kMTiles> softmax;
 
     const u32 sQ_base = smem_u32(sQ), sK_base = smem_u32(sK), sV_base = smem_u32(sV);
@@ -113,31 +110,16 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {  // params.cuh
 
         // S = Q_i K_j^T over the head dim, 16 columns per step.
         float acc_s[T::kMTiles][T::kNTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < T::kMTiles; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < T::kNTiles; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+        clear_acc(acc_s);
 #pragma unroll
         for (int kd = 0; kd < kHeadDim / 16; ++kd) {
             u32 a[T::kMTiles][4];
-#pragma unroll
-            for (int mt = 0; mt < T::kMTiles; ++mt)
-                ldmatrix_x4(a[mt], sQ_frag + tile_offset<kHeadDim>(16 * mt, 16 * kd));
-#pragma unroll
-            for (int np = 0; np < T::kNTiles / 2; ++np) {
-                u32 b[4];
-                ldmatrix_x4(b, sK_frag + tile_offset<kHeadDim>(16 * np, 16 * kd));
-#pragma unroll
-                for (int mt = 0; mt < T::kMTiles; ++mt) {
-                    mma_16816<Is_bf16>(acc_s[mt][2 * np], a[mt], b[0], b[1]);
-                    mma_16816<Is_bf16>(acc_s[mt][2 * np + 1], a[mt], b[2], b[3]);
-                }
-            }
+            load_a_frags<false, kHeadDim>(a, sQ_frag, 0, 16 * kd);
+            warp_mma_k16<Is_bf16, false, kHeadDim>(acc_s, a, sK_frag, 0, 16 * kd);
         }
-        if (Has_score_mod) apply_score_mod(mod, acc_s, row0 + warp_row0, key0, lane);
-        if (mask.tile_needs_mask(row0, n_block)) mask.apply(acc_s, row0 + warp_row0, key0, lane);
+        const MmaAccCoords s_coords(row0 + warp_row0, key0, lane);  // rows: queries, columns: keys
+        if (Has_score_mod) apply_score_mod(mod, acc_s, s_coords);
+        if (mask.tile_needs_mask(row0, n_block)) mask.apply(acc_s, s_coords);
         softmax.update(acc_s, acc_o, score_log2);
 
         cp_async_wait<0>();
@@ -154,16 +136,7 @@ flash_fwd_kernel(const __grid_constant__ FwdParams p) {  // params.cuh
             u32 p[T::kMTiles][4];
 #pragma unroll
             for (int mt = 0; mt < T::kMTiles; ++mt) acc_to_a_frag<Is_bf16>(acc_s[mt][2 * ks], acc_s[mt][2 * ks + 1], p[mt]);
-#pragma unroll
-            for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, sV_frag + tile_offset<kHeadDim>(16 * ks, 16 * dp));
-#pragma unroll
-                for (int mt = 0; mt < T::kMTiles; ++mt) {
-                    mma_16816<Is_bf16>(acc_o[mt][2 * dp], p[mt], b[0], b[1]);
-                    mma_16816<Is_bf16>(acc_o[mt][2 * dp + 1], p[mt], b[2], b[3]);
-                }
-            }
+            warp_mma_k16<Is_bf16, true, kHeadDim>(acc_o, p, sV_frag, 16 * ks, 0);
         }
     }
 

@@ -21,7 +21,8 @@
 //       The two warpgroups share the tensor cores as their GEMMs come; an explicit ping-pong
 //       (named barriers alternating their GEMMs) measured 26-35% slower here (docs/PERF_NOTES.md).
 // The wgmma accumulators of a warp hold its 16 rows in the mma.sync m16n8 layout (sm90.cuh), so
-// the online softmax and the mask are softmax.cuh's and mask.cuh's, shared with the sm80 kernels.
+// the online softmax, the mask and the score mods are softmax.cuh's, mask.cuh's and score_mod.cuh's,
+// with fragment.cuh's MmaAccCoords placing the scores, shared with the sm80 kernels.
 //
 // Shared memory holds each tile as head-dim chunks of 64 columns (128 bytes a row), the 128-byte
 // swizzle TMA writes and the wgmma descriptors read: Q, then kStages K tiles, then kStages V tiles,
@@ -29,6 +30,8 @@
 #include "sm90.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
+#include "fragment.cuh"
+#include "warp_mma.cuh"
 #include "seqlens.cuh"
 #include "score_mod.cuh"
 #include "params.cuh"
@@ -198,9 +201,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
         wgmma_wait<0>();
         fence_regs(s_flat);
         mbar_arrive(k_empty(0));
-        if (Has_score_mod) apply_score_mod(mod, acc_s, row0 + warp_row0, (n_block_max - 1) * kBlockN, lane);
-        if (mask.tile_needs_mask(row0, n_block_max - 1))
-            mask.apply(acc_s, row0 + warp_row0, (n_block_max - 1) * kBlockN, lane);
+        {
+            const MmaAccCoords coords(row0 + warp_row0, (n_block_max - 1) * kBlockN, lane);
+            if (Has_score_mod) apply_score_mod(mod, acc_s, coords);
+            if (mask.tile_needs_mask(row0, n_block_max - 1)) mask.apply(acc_s, coords);
+        }
         softmax.probs(acc_s, score_log2, alpha);  // O is still 0: nothing to rescale
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
@@ -219,8 +224,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
             wgmma_wait<1>();  // S done; P V may still run
             fence_regs(s_flat);
             mbar_arrive(k_empty(s));
-            if (Has_score_mod) apply_score_mod(mod, acc_s, row0 + warp_row0, n_block * kBlockN, lane);
-            if (mask.tile_needs_mask(row0, n_block)) mask.apply(acc_s, row0 + warp_row0, n_block * kBlockN, lane);
+            const MmaAccCoords coords(row0 + warp_row0, n_block * kBlockN, lane);  // a warp's 16 rows, as mma.sync
+            if (Has_score_mod) apply_score_mod(mod, acc_s, coords);
+            if (mask.tile_needs_mask(row0, n_block)) mask.apply(acc_s, coords);
             softmax.probs(acc_s, score_log2, alpha);
             wgmma_wait<0>();
             fence_regs(o_flat);

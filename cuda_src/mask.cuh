@@ -54,22 +54,21 @@ struct Mask {
         return Is_causal && key_last > row0 + seqlen_k - seqlen_q;
     }
 
-    // s[mt][nt][e] holds the score of row  row_base + 16 mt + g + 8 (e / 2)
-    //                              and key key_base + 8 nt + 2 t + (e % 2), lane = 4 g + t.
-    template <int kMTiles, int kNTiles>
-    FC_DEVICE void apply(float (&s)[kMTiles][kNTiles][4], int row_base, int key_base, int lane) const {
-        const int g = lane >> 2, t = lane & 3;
+    // Sets to -inf the scores of fragment s (fragment.cuh) that their row must not see; coords
+    // places them, its rows being queries and its columns keys.
+    template <class Coords, int kMTiles, int kNTiles>
+    FC_DEVICE void apply(float (&s)[kMTiles][kNTiles][4], const Coords& coords) const {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int row = row_base + 16 * mt + g + 8 * h;
+                const int row = coords.row(mt, h);
                 const int limit = row_key_limit(row), first = row_first_key(row);
 #pragma unroll
                 for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int key = key_base + 8 * nt + 2 * t + e;
+                        const int key = coords.col(nt, e);
                         if (key >= limit || (Is_local && key < first)) s[mt][nt][2 * h + e] = -FC_INF;
                     }
                 }

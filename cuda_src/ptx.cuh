@@ -93,17 +93,6 @@ FC_DEVICE float fast_log2(float x) {
 
 #define FC_INF __int_as_float(0x7f800000)
 
-// Two n8 accumulator tiles (columns k0..k0+7 and k0+8..k0+15 of a 16-row block) -> the A fragment
-// of an m16n8k16 mma whose k dimension is those 16 columns. The C and A layouts line up, so the
-// conversion is register-local (FA2: P stays in registers between its two matrix products).
-template <bool Is_bf16>
-FC_DEVICE void acc_to_a_frag(const float (&lo)[4], const float (&hi)[4], u32 (&a)[4]) {
-    a[0] = pack_f32x2<Is_bf16>(lo[0], lo[1]);
-    a[1] = pack_f32x2<Is_bf16>(lo[2], lo[3]);
-    a[2] = pack_f32x2<Is_bf16>(hi[0], hi[1]);
-    a[3] = pack_f32x2<Is_bf16>(hi[2], hi[3]);
-}
-
 // ---- global atomics and ordering (backward's dQ accumulation) ------------------------------------
 FC_DEVICE void red_add_f32(float* addr, float v) {
     asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(v) : "memory");

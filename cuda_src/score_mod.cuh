@@ -61,13 +61,13 @@ struct ScoreMod {
     }
 };
 
-// The forward's S tile to natural units: s[mt][nt][e] is row row_base + 16 mt + g + 8 (e / 2), key
-// key_base + 8 nt + 2 t + (e % 2), lane = 4 g + t (mask.cuh's layout).
-template <int kMTiles, int kNTiles>
+// The forward's S tile to natural units; coords (fragment.cuh) places the scores of fragment s,
+// its rows being queries and its columns keys.
+template <class Coords, int kMTiles, int kNTiles>
 struct FwdScoreModOp {
     const ScoreMod& mod;
     float (&s)[kMTiles][kNTiles][4];
-    int row_base, key_base, g, t;
+    const Coords& coords;
 
     template <bool kSoftcap, bool kAlibi>
     FC_DEVICE void run() {
@@ -78,15 +78,14 @@ struct FwdScoreModOp {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float unused;
-                    s[mt][nt][e] = mod.apply<kSoftcap, kAlibi>(s[mt][nt][e], row_base + 16 * mt + g + 8 * (e >> 1),
-                                                               key_base + 8 * nt + 2 * t + (e & 1), unused);
+                    s[mt][nt][e] = mod.apply<kSoftcap, kAlibi>(s[mt][nt][e], coords.row(mt, e >> 1),
+                                                               coords.col(nt, e & 1), unused);
                 }
     }
 };
 
-template <int kMTiles, int kNTiles>
-FC_DEVICE void apply_score_mod(const ScoreMod& mod, float (&s)[kMTiles][kNTiles][4], int row_base, int key_base,
-                               int lane) {
-    FwdScoreModOp<kMTiles, kNTiles> op{mod, s, row_base, key_base, lane >> 2, lane & 3};
+template <class Coords, int kMTiles, int kNTiles>
+FC_DEVICE void apply_score_mod(const ScoreMod& mod, float (&s)[kMTiles][kNTiles][4], const Coords& coords) {
+    FwdScoreModOp<Coords, kMTiles, kNTiles> op{mod, s, coords};
     mod.dispatch(op);
 }
