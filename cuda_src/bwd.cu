@@ -51,6 +51,11 @@
 template <int kHeadDim, bool Is_bf16>
 __global__ void __launch_bounds__(128)
 flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
+    // restrict: the inputs take the read-only (non-coherent) load path, as kernel arguments did
+    const u16* __restrict__ dout = p.dout;
+    const u16* __restrict__ out = p.out;
+    float* __restrict__ dq_accum = p.dq_accum;
+    float* __restrict__ delta = p.delta;
     constexpr int kThreadsPerRow = 8, kRowsPerBlock = 128 / kThreadsPerRow;
     constexpr int kChunks = kHeadDim / 8;
     const int seqlen_q = p.rows_seqlen_q, nheads = p.nheads;
@@ -63,12 +68,12 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
         const int row = int(r % seqlen_q);
         const i64 bh = r / seqlen_q;
         const int head = int(bh % nheads), b = int(bh / nheads);
-        float* pacc = p.dq_accum + ((i64(b) * seqlen_q + row) * nheads + head) * kHeadDim;
+        float* pacc = dq_accum + ((i64(b) * seqlen_q + row) * nheads + head) * kHeadDim;
 #pragma unroll
         for (int c = sub; c < kHeadDim / 4; c += kThreadsPerRow)
             *reinterpret_cast<float4*>(pacc + 4 * c) = make_float4(0.f, 0.f, 0.f, 0.f);
-        const u16* pdo = p.dout + b * p.do_batch_stride + row * p.do_row_stride + head * p.do_head_stride;
-        const u16* po = p.out + b * p.o_batch_stride + row * p.o_row_stride + head * p.o_head_stride;
+        const u16* pdo = dout + b * p.do_batch_stride + row * p.do_row_stride + head * p.do_head_stride;
+        const u16* po = out + b * p.o_batch_stride + row * p.o_row_stride + head * p.o_head_stride;
 #pragma unroll
         for (int c = sub; c < kChunks; c += kThreadsPerRow) {
             const uint4 x = *reinterpret_cast<const uint4*>(pdo + c * 8);
@@ -85,13 +90,15 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
     }
 #pragma unroll
     for (int off = 1; off < kThreadsPerRow; off *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (valid && sub == 0) p.delta[r] = acc;
+    if (valid && sub == 0) delta[r] = acc;
 }
 
 // ---- postprocess: dQ = dq_accum * softmax_scale, 8 elements per thread -------------------------
 template <int kHeadDim, bool Is_bf16>
 __global__ void __launch_bounds__(256)
 flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
+    const float* __restrict__ dq_accum = p.dq_accum;
+    u16* __restrict__ dq = p.dq;
     constexpr int kChunks = kHeadDim / 8;
     const int seqlen_q = p.rows_seqlen_q, nheads = p.nheads;
     const float softmax_scale = p.softmax_scale;
@@ -102,14 +109,14 @@ flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
     const int head = int(rest % nheads);
     const i64 rest2 = rest / nheads;
     const int row = int(rest2 % seqlen_q), b = int(rest2 / seqlen_q);
-    const float4 lo = *reinterpret_cast<const float4*>(p.dq_accum + idx * 8);
-    const float4 hi = *reinterpret_cast<const float4*>(p.dq_accum + idx * 8 + 4);
+    const float4 lo = *reinterpret_cast<const float4*>(dq_accum + idx * 8);
+    const float4 hi = *reinterpret_cast<const float4*>(dq_accum + idx * 8 + 4);
     uint4 o;
     o.x = pack_f32x2<Is_bf16>(lo.x * softmax_scale, lo.y * softmax_scale);
     o.y = pack_f32x2<Is_bf16>(lo.z * softmax_scale, lo.w * softmax_scale);
     o.z = pack_f32x2<Is_bf16>(hi.x * softmax_scale, hi.y * softmax_scale);
     o.w = pack_f32x2<Is_bf16>(hi.z * softmax_scale, hi.w * softmax_scale);
-    *reinterpret_cast<uint4*>(p.dq + b * p.dq_batch_stride + row * p.dq_row_stride + head * p.dq_head_stride + chunk * 8) = o;
+    *reinterpret_cast<uint4*>(dq + b * p.dq_batch_stride + row * p.dq_row_stride + head * p.dq_head_stride + chunk * 8) = o;
 }
 
 // ---- GQA: dK (blockIdx.y = 0) or dV (1) of a kv head = sum of its query heads' slices ----------
@@ -121,8 +128,8 @@ __global__ void __launch_bounds__(256)
 flash_bwd_group_sum_kernel(const __grid_constant__ BwdParams p) {
     constexpr int kChunks = kHeadDim / 8;
     const bool is_v = blockIdx.y == 1;
-    const u16* per_head = is_v ? p.dv : p.dk;
-    u16* grad = is_v ? p.dv_kv : p.dk_kv;
+    const u16* __restrict__ per_head = is_v ? p.dv : p.dk;
+    u16* __restrict__ grad = is_v ? p.dv_kv : p.dk_kv;
     const i64 batch_stride = is_v ? p.dv_kv_batch_stride : p.dk_kv_batch_stride;
     const i64 row_stride = is_v ? p.dv_kv_row_stride : p.dk_kv_row_stride;
     const i64 head_stride = is_v ? p.dv_kv_head_stride : p.dk_kv_head_stride;

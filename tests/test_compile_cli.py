@@ -334,12 +334,15 @@ def test_compile_then_info_gpu(cache):
     args = ("compile", "--head-dims", "64", "--dtype", "bf16", "--direction", "fwd", "--jobs", "2")
     result = invoke(*args)
     assert result.exit_code == 0, result.output
-    n = len(configs.MASKS) * 2  # one forward kernel per mask mode, without and with score mods
+    info = device.device_info()
+    # one forward kernel per family that runs here, mask mode and score mods off/on
+    n = len(cli.fwd_variants(info.capability, info.smem_per_block_optin, head_dims=(64,), dtypes=("bfloat16",)))
+    families = sum(f.runs_on(info.capability) for f in registry.families("fwd"))  # each serves d = 64
+    assert n == len(configs.MASKS) * 2 * families
     assert f"{n} of {n} kernels" in result.stdout and "FAIL" not in result.stdout
     cubins = sorted(cache.glob("*.cubin"))
     assert len(cubins) >= n  # CuPy's own cache files, written by the workers
 
-    info = device.device_info()
     expected = cli.fwd_variants(info.capability, info.smem_per_block_optin, head_dims=(64,), dtypes=("bfloat16",))
     cached = build.cached_variants(build.device_arch(info.capability))
     assert {e["name_expression"] for e in cached} == {v.name_expression for v in expected}
