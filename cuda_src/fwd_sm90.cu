@@ -1,10 +1,11 @@
 // FlashAttention forward for Hopper (sm_90a): TMA loads into a multi-stage shared-memory pipeline,
 // wgmma on the tensor cores, and warp specialization (FlashAttention-3, sections 3.1-3.2).
 //
-// One thread block per (q block of kBlockM = 128 or 192 rows, head, batch), of 1 + kBlockM / 64
-// warpgroups:
-//   warpgroup 0, producer (24 or 32 registers per thread): one thread issues the TMA loads: Q_i once,
-//       then K_j and V_j of every key block the q block sees into stage j % kStages, each waiting
+// A persistent grid (a block per SM) walks the work tiles, q blocks of kBlockM = 128 or 192 rows of
+// one (head, batch); a block has 1 + kBlockM / 64 warpgroups:
+//   warpgroup 0, producer (24 or 32 registers per thread): one thread issues the TMA loads: for each
+//       tile Q_i once (when the consumers have released the last one), then K_j and V_j of every key
+//       block the q block sees into the next stage of a ring of kStages, each waiting
 //       until the consumers have released that stage's K or V (empty barriers), each completing on
 //       its full barrier with its byte count;
 //   the others, consumers (240 or 160 registers): 64 rows of the q block each. Over the key blocks
@@ -17,7 +18,8 @@
 //               wait S; release K_j; mask S where j straddles seqlen_k or the band
 //               m_new = max(m, rowmax(S)); P = exp2(S c - m_new c); l = l exp2(m - m_new) + rowsum(P)
 //               wait P V; release V_j'; O = O exp2(m - m_new)
-//           O += P V_last; O /= l, LSE = m softmax_scale + ln(l) (a sink joins l); O, LSE to memory.
+//           release Q (the producer loads the next tile's); O += P V_last
+//           O /= l, LSE = m softmax_scale + ln(l) (a sink joins l); O, LSE to memory.
 //       The two warpgroups share the tensor cores as their GEMMs come; an explicit ping-pong
 //       (named barriers alternating their GEMMs) measured 26-35% slower here (docs/PERF_NOTES.md).
 // The wgmma accumulators of a warp hold its 16 rows in the mma.sync m16n8 layout (sm90.cuh), so
@@ -54,7 +56,7 @@ struct Sm90FwdTraits {
     static constexpr int kOffK = kQBytes;
     static constexpr int kOffV = kOffK + kStages * kKVBytes;
     static constexpr int kOffBar = kOffV + kStages * kKVBytes;
-    static constexpr int kBarriers = 1 + 4 * kStages;  // Q full; per stage K full, V full, K empty, V empty
+    static constexpr int kBarriers = 2 + 4 * kStages;  // Q full; per stage K full, V full, K empty, V empty; Q empty
     // + 1024: the dynamic shared memory base is aligned up to the swizzle atom's 1024 bytes.
     static constexpr int kSmemBytes = kOffBar + kBarriers * 8 + 1024;
     static_assert(kHeadDim % kChunk == 0 && kHeadDim <= 256, "head dim: whole 64-column chunks");
@@ -87,29 +89,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     auto k_empty = [&](int s) { return sBar + 8 * (1 + 2 * kStages + s); };
     auto v_empty = [&](int s) { return sBar + 8 * (1 + 3 * kStages + s); };
 
-    const int num_m_blocks = gridDim.x;
-    // Causal and local: the bottom q blocks see the most keys; they start first.
-    const int m_block = (Is_causal || Is_local) ? num_m_blocks - 1 - blockIdx.x : blockIdx.x;
-    const int head = blockIdx.y, batch = blockIdx.z;
-    const int kv_head = head / p.heads_per_kv_head;
-    const SeqLens seq(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.max_seqlen_q, p.max_seqlen_k);
-    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-    const int row0 = m_block * kBlockM;
-    if (row0 >= seqlen_q) return;  // varlen: past this sequence's end (the whole block leaves)
-    // Tensor-map coordinates: a packed varlen tensor is one batch entry of all sequences' rows; the
-    // rows a box takes past this sequence belong to the next one (or read as zeros at the end) and
-    // are masked (keys) or never stored (queries).
-    const int tma_batch = p.cu_seqlens_q ? 0 : batch;
-    const int q_row = seq.q_start + row0, k_row0 = seq.k_start;
-    const int band_offset = p.align_bottom_right ? seqlen_k - seqlen_q : 0;
-    const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, p.window_left,
-                                                          p.window_right};
-    const int n_block_min = Is_local ? mask.key_begin(row0) / kBlockN : 0;
-    const int n_block_max = (mask.key_end(row0) + kBlockN - 1) / kBlockN;  // <= n_block_min: no key
     const int tid = threadIdx.x, warpgroup = tid / 128, lane = tid & 31;
-
+    const u32 q_empty = sBar + 8 * (1 + 4 * kStages);
     if (tid == 0) {
         mbar_init(q_full, 1);
+        mbar_init(q_empty, T::kConsumers);
         for (int s = 0; s < kStages; ++s) {
             mbar_init(k_full(s), 1);
             mbar_init(v_full(s), 1);
@@ -120,31 +104,72 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     }
     __syncthreads();
 
+    // Persistent grid: block b takes work tiles b, b + gridDim.x, ... of num_m_blocks x heads x
+    // batch; producer and consumers walk the same sequence, and the K/V stages and the Q buffer
+    // carry their phases from one tile to the next, so the next tile's loads start while this one
+    // finishes. Causal and local: the bottom q blocks, which see the most keys, come first.
+    const int num_m_blocks = (p.max_seqlen_q + kBlockM - 1) / kBlockM;
+    const int num_hb = p.nheads * p.batch;
+    const int num_tiles = num_m_blocks * num_hb;
+    struct Tile {
+        int m_block, head, batch, row0, n_block_min, n_block_max;
+        SeqLens seq;
+        Mask<Is_causal, Is_local, kBlockM, kBlockN> mask;
+        int band_offset;
+    };
+    auto tile_at = [&](int index) {
+        const int m_block = (Is_causal || Is_local) ? num_m_blocks - 1 - index / num_hb : index % num_m_blocks;
+        const int hb = (Is_causal || Is_local) ? index % num_hb : index / num_m_blocks;
+        const int head = hb % p.nheads, batch = hb / p.nheads;
+        const SeqLens seq(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.max_seqlen_q, p.max_seqlen_k);
+        const int band_offset = p.align_bottom_right ? seq.seqlen_k - seq.seqlen_q : 0;
+        const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seq.seqlen_q, seq.seqlen_k, band_offset, p.window_left,
+                                                              p.window_right};
+        const int row0 = m_block * kBlockM;
+        const int n_block_min = Is_local ? mask.key_begin(row0) / kBlockN : 0;
+        const int n_block_max = (mask.key_end(row0) + kBlockN - 1) / kBlockN;  // <= n_block_min: no key
+        return Tile{m_block, head, batch, row0, n_block_min, n_block_max, seq, mask, band_offset};
+    };
+    // Tensor-map coordinates: a packed varlen tensor is one batch entry of all sequences' rows; the
+    // rows a box takes past a sequence belong to the next one (or read as zeros at the end) and are
+    // masked (keys) or never stored (queries).
+    auto tma_batch = [&](int batch) { return p.cu_seqlens_q ? 0 : batch; };
+
     if (warpgroup == 0) {  // ---- producer ----
         regs_release<T::kProducerRegs>();
-        if (tid == 0 && n_block_max > n_block_min) {
+        if (tid == 0) {
             tma_prefetch_desc(&args.q);
             tma_prefetch_desc(&args.k);
             tma_prefetch_desc(&args.v);
-            mbar_arrive_expect_tx(q_full, T::kQBytes);
-#pragma unroll
-            for (int c = 0; c < T::kChunks; ++c)
-                tma_load_4d(sQ + c * kBlockM * 128, &args.q, q_full, c * T::kChunk, q_row, head, tma_batch);
-            for (int n_block = n_block_max - 1, it = 0; n_block >= n_block_min; --n_block, ++it) {
-                const int s = it % kStages;
-                const u32 parity = ((it / kStages) & 1) ^ 1;  // a new barrier's "previous phase" has completed
-                mbar_wait(k_empty(s), parity);
-                mbar_arrive_expect_tx(k_full(s), T::kKVBytes);
-#pragma unroll
-                for (int c = 0; c < T::kChunks; ++c)
-                    tma_load_4d(sK + s * T::kKVBytes + c * kBlockN * 128, &args.k, k_full(s), c * T::kChunk,
-                                k_row0 + n_block * kBlockN, kv_head, tma_batch);
-                mbar_wait(v_empty(s), parity);
-                mbar_arrive_expect_tx(v_full(s), T::kKVBytes);
+            int q_iter = 0, kv_iter = 0;
+            for (int index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+                const Tile w = tile_at(index);
+                if (w.row0 >= w.seq.seqlen_q || w.n_block_max <= w.n_block_min) continue;
+                const int kv_head = w.head / p.heads_per_kv_head, k_row0 = w.seq.k_start;
+                // a new barrier's "previous phase" has completed: the first waits pass
+                mbar_wait(q_empty, (q_iter & 1) ^ 1);
+                mbar_arrive_expect_tx(q_full, T::kQBytes);
 #pragma unroll
                 for (int c = 0; c < T::kChunks; ++c)
-                    tma_load_4d(sV + s * T::kKVBytes + c * kBlockN * 128, &args.v, v_full(s), c * T::kChunk,
-                                k_row0 + n_block * kBlockN, kv_head, tma_batch);
+                    tma_load_4d(sQ + c * kBlockM * 128, &args.q, q_full, c * T::kChunk, w.seq.q_start + w.row0,
+                                w.head, tma_batch(w.batch));
+                ++q_iter;
+                for (int n_block = w.n_block_max - 1; n_block >= w.n_block_min; --n_block, ++kv_iter) {
+                    const int s = kv_iter % kStages;
+                    const u32 parity = ((kv_iter / kStages) & 1) ^ 1;
+                    mbar_wait(k_empty(s), parity);
+                    mbar_arrive_expect_tx(k_full(s), T::kKVBytes);
+#pragma unroll
+                    for (int c = 0; c < T::kChunks; ++c)
+                        tma_load_4d(sK + s * T::kKVBytes + c * kBlockN * 128, &args.k, k_full(s), c * T::kChunk,
+                                    k_row0 + n_block * kBlockN, kv_head, tma_batch(w.batch));
+                    mbar_wait(v_empty(s), parity);
+                    mbar_arrive_expect_tx(v_full(s), T::kKVBytes);
+#pragma unroll
+                    for (int c = 0; c < T::kChunks; ++c)
+                        tma_load_4d(sV + s * T::kKVBytes + c * kBlockN * 128, &args.v, v_full(s), c * T::kChunk,
+                                    k_row0 + n_block * kBlockN, kv_head, tma_batch(w.batch));
+                }
             }
         }
         return;
@@ -155,110 +180,123 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     const int consumer = warpgroup - 1;                          // rows 64 consumer .. of the q block
     const int warp_row0 = 64 * consumer + 16 * ((tid / 32) % 4);  // this warp's first row in the block
     const int g = lane >> 2, t = lane & 3;
-    float acc_o[1][kHeadDim / 8][4];
+    // Descriptors: K-major Q (this warpgroup's 64 rows) and K, 8-row groups 1024 bytes apart, k
+    // steps of 16 columns 32 bytes apart inside a chunk; V N-major, chunks kBlockN * 128 bytes apart
+    // along the head dim, 16 keys 2048 bytes apart.
+    const u32 sQ_wg = sQ + consumer * 64 * 128;
+    int q_iter = 0, kv_iter = 0;
+    for (int index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+        const Tile w = tile_at(index);
+        if (w.row0 >= w.seq.seqlen_q) continue;  // varlen: past this sequence's end
+        const int row0 = w.row0, n_block_max = w.n_block_max;
+        float acc_o[1][kHeadDim / 8][4];
 #pragma unroll
-    for (int dt = 0; dt < kHeadDim / 8; ++dt)
+        for (int dt = 0; dt < kHeadDim / 8; ++dt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
-    float(&o_flat)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(acc_o);
-    OnlineSoftmax<1> softmax;
-    const ScoreMod mod(p.softmax_scale, p.softcap, p.alibi_slopes, p.alibi_batch_stride, batch, head, band_offset);
-    // With score mods S is in natural units before the softmax (score_mod.cuh).
-    const float score_log2 = Has_score_mod ? 1.4426950408889634f : p.scale_log2;
+            for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+        float(&o_flat)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(acc_o);
+        OnlineSoftmax<1> softmax;
+        const ScoreMod mod(p.softmax_scale, p.softcap, p.alibi_slopes, p.alibi_batch_stride, w.batch, w.head,
+                           w.band_offset);
+        // With score mods S is in natural units before the softmax (score_mod.cuh).
+        const float score_log2 = Has_score_mod ? 1.4426950408889634f : p.scale_log2;
 
-    if (n_block_max > n_block_min) {
-        // Descriptors: K-major Q (this warpgroup's 64 rows) and K, 8-row groups 1024 bytes apart,
-        // k steps of 16 columns 32 bytes apart inside a chunk; V N-major, chunks kBlockN * 128 bytes
-        // apart along the head dim, 16 keys 2048 bytes apart.
-        const u32 sQ_wg = sQ + consumer * 64 * 128;
-        auto issue_s = [&](float (&s_flat)[kBlockN / 2], int stage) {  // S = Q_i K_j^T
-            const u32 sK_s = sK + stage * T::kKVBytes;
+        const int n_count = w.n_block_max - w.n_block_min;
+        if (n_count > 0) {
+            auto issue_s = [&](float (&s_flat)[kBlockN / 2], int stage) {  // S = Q_i K_j^T
+                const u32 sK_s = sK + stage * T::kKVBytes;
 #pragma unroll
-            for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-                const u32 chunk = ks / 4, col_bytes = (ks % 4) * 32;
-                Wgmma<kBlockN, Is_bf16>::ss(s_flat, gmma_desc(sQ_wg + chunk * kBlockM * 128 + col_bytes, 16, 1024),
-                                            gmma_desc(sK_s + chunk * kBlockN * 128 + col_bytes, 16, 1024), ks > 0);
-            }
-            wgmma_commit();
-        };
-        auto issue_pv = [&](const u32 (&a_p)[kBlockN / 16][4], int stage) {  // O += P V_j
-            const u32 sV_s = sV + stage * T::kKVBytes;
+                for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+                    const u32 chunk = ks / 4, col_bytes = (ks % 4) * 32;
+                    Wgmma<kBlockN, Is_bf16>::ss(s_flat,
+                                                gmma_desc(sQ_wg + chunk * kBlockM * 128 + col_bytes, 16, 1024),
+                                                gmma_desc(sK_s + chunk * kBlockN * 128 + col_bytes, 16, 1024),
+                                                ks > 0);
+                }
+                wgmma_commit();
+            };
+            auto issue_pv = [&](const u32 (&a_p)[kBlockN / 16][4], int stage) {  // O += P V_j
+                const u32 sV_s = sV + stage * T::kKVBytes;
 #pragma unroll
-            for (int kk = 0; kk < kBlockN / 16; ++kk)
-                Wgmma<kHeadDim, Is_bf16>::rs(o_flat, a_p[kk], gmma_desc(sV_s + kk * 2048, kBlockN * 128, 1024));
-            wgmma_commit();
-        };
-        const int n_count = n_block_max - n_block_min;
+                for (int kk = 0; kk < kBlockN / 16; ++kk)
+                    Wgmma<kHeadDim, Is_bf16>::rs(o_flat, a_p[kk], gmma_desc(sV_s + kk * 2048, kBlockN * 128, 1024));
+                wgmma_commit();
+            };
+            auto stage_of = [&](int it) { return (kv_iter + it) % kStages; };
+            auto parity_of = [&](int it) { return u32((kv_iter + it) / kStages) & 1; };
 
-        float acc_s[1][kBlockN / 8][4];
-        float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
-        u32 a_p[kBlockN / 16][4];
-        float alpha[2];
-        mbar_wait(q_full, 0);
-        mbar_wait(k_full(0), 0);
-        wgmma_fence();
-        issue_s(s_flat, 0);
-        wgmma_wait<0>();
-        fence_regs(s_flat);
-        mbar_arrive(k_empty(0));
-        {
-            const MmaAccCoords coords(row0 + warp_row0, (n_block_max - 1) * kBlockN, lane);
-            if (Has_score_mod) apply_score_mod(mod, acc_s, coords);
-            if (mask.tile_needs_mask(row0, n_block_max - 1)) mask.apply(acc_s, coords);
-        }
-        softmax.probs(acc_s, score_log2, alpha);  // O is still 0: nothing to rescale
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
-
-        for (int it = 1; it < n_count; ++it) {
-            const int n_block = n_block_max - 1 - it;
-            const int s = it % kStages, s_prev = (it - 1) % kStages;
-            const u32 parity = (it / kStages) & 1, parity_prev = ((it - 1) / kStages) & 1;
-            mbar_wait(k_full(s), parity);
-            fence_regs(s_flat);
-            fence_regs(o_flat);
+            float acc_s[1][kBlockN / 8][4];
+            float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
+            u32 a_p[kBlockN / 16][4];
+            float alpha[2];
+            mbar_wait(q_full, q_iter & 1);
+            mbar_wait(k_full(stage_of(0)), parity_of(0));
             wgmma_fence();
-            issue_s(s_flat, s);
-            mbar_wait(v_full(s_prev), parity_prev);
-            issue_pv(a_p, s_prev);
-            wgmma_wait<1>();  // S done; P V may still run
-            fence_regs(s_flat);
-            mbar_arrive(k_empty(s));
-            const MmaAccCoords coords(row0 + warp_row0, n_block * kBlockN, lane);  // a warp's 16 rows, as mma.sync
-            if (Has_score_mod) apply_score_mod(mod, acc_s, coords);
-            if (mask.tile_needs_mask(row0, n_block)) mask.apply(acc_s, coords);
-            softmax.probs(acc_s, score_log2, alpha);
+            issue_s(s_flat, stage_of(0));
             wgmma_wait<0>();
-            fence_regs(o_flat);
-            mbar_arrive(v_empty(s_prev));
-            softmax.rescale(acc_o, alpha);
+            fence_regs(s_flat);
+            mbar_arrive(k_empty(stage_of(0)));
+            {
+                const MmaAccCoords coords(row0 + warp_row0, (n_block_max - 1) * kBlockN, lane);
+                if (Has_score_mod) apply_score_mod(mod, acc_s, coords);
+                if (w.mask.tile_needs_mask(row0, n_block_max - 1)) w.mask.apply(acc_s, coords);
+            }
+            softmax.probs(acc_s, score_log2, alpha);  // O is still 0: nothing to rescale
 #pragma unroll
             for (int kk = 0; kk < kBlockN / 16; ++kk)
                 acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
-        }
-        const int s_last = (n_count - 1) % kStages;
-        mbar_wait(v_full(s_last), ((n_count - 1) / kStages) & 1);
-        fence_regs(o_flat);
-        wgmma_fence();
-        issue_pv(a_p, s_last);
-        wgmma_wait<0>();
-        fence_regs(o_flat);
-        mbar_arrive(v_empty(s_last));
-    }
 
-    float row_lse[2];
-    softmax.finalize(acc_o, Has_score_mod ? 1.f : p.softmax_scale, p.sinks ? p.sinks[head] : -FC_INF, row_lse);
-    u16* gO = p.out + batch * p.o_batch_stride + head * p.o_head_stride + i64(seq.q_start) * p.o_row_stride;
-    float* gLse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_start;
+            for (int it = 1; it < n_count; ++it) {
+                const int n_block = n_block_max - 1 - it;
+                fence_regs(s_flat);
+                fence_regs(o_flat);
+                mbar_wait(k_full(stage_of(it)), parity_of(it));
+                wgmma_fence();
+                issue_s(s_flat, stage_of(it));
+                mbar_wait(v_full(stage_of(it - 1)), parity_of(it - 1));
+                issue_pv(a_p, stage_of(it - 1));
+                wgmma_wait<1>();  // S done; P V may still run
+                fence_regs(s_flat);
+                mbar_arrive(k_empty(stage_of(it)));
+                const MmaAccCoords coords(row0 + warp_row0, n_block * kBlockN, lane);  // a warp's 16 rows, as mma.sync
+                if (Has_score_mod) apply_score_mod(mod, acc_s, coords);
+                if (w.mask.tile_needs_mask(row0, n_block)) w.mask.apply(acc_s, coords);
+                softmax.probs(acc_s, score_log2, alpha);
+                wgmma_wait<0>();
+                fence_regs(o_flat);
+                mbar_arrive(v_empty(stage_of(it - 1)));
+                softmax.rescale(acc_o, alpha);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = row0 + warp_row0 + g + 8 * h;
-        if (row < seqlen_q) {
-            u16* gO_row = gO + i64(row) * p.o_row_stride + 2 * t;
+                for (int kk = 0; kk < kBlockN / 16; ++kk)
+                    acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
+            }
+            mbar_arrive(q_empty);  // every S of this tile is done: the producer may load the next Q
+            mbar_wait(v_full(stage_of(n_count - 1)), parity_of(n_count - 1));
+            fence_regs(o_flat);
+            wgmma_fence();
+            issue_pv(a_p, stage_of(n_count - 1));
+            wgmma_wait<0>();
+            fence_regs(o_flat);
+            mbar_arrive(v_empty(stage_of(n_count - 1)));
+            kv_iter += n_count;
+            ++q_iter;
+        }
+
+        float row_lse[2];
+        softmax.finalize(acc_o, Has_score_mod ? 1.f : p.softmax_scale, p.sinks ? p.sinks[w.head] : -FC_INF, row_lse);
+        u16* gO = p.out + w.batch * p.o_batch_stride + w.head * p.o_head_stride + i64(w.seq.q_start) * p.o_row_stride;
+        float* gLse = p.lse + w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + w.seq.q_start;
 #pragma unroll
-            for (int dt = 0; dt < kHeadDim / 8; ++dt)
-                *reinterpret_cast<u32*>(gO_row + 8 * dt) = pack_f32x2<Is_bf16>(acc_o[0][dt][2 * h], acc_o[0][dt][2 * h + 1]);
-            if (t == 0) gLse[row] = row_lse[h];
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + warp_row0 + g + 8 * h;
+            if (row < w.seq.seqlen_q) {
+                u16* gO_row = gO + i64(row) * p.o_row_stride + 2 * t;
+#pragma unroll
+                for (int dt = 0; dt < kHeadDim / 8; ++dt)
+                    *reinterpret_cast<u32*>(gO_row + 8 * dt) =
+                        pack_f32x2<Is_bf16>(acc_o[0][dt][2 * h], acc_o[0][dt][2 * h + 1]);
+                if (t == 0) gLse[row] = row_lse[h];
+            }
         }
     }
 }

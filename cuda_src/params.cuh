@@ -40,6 +40,7 @@ struct FwdParams {
     int window_left;             // Is_local band bounds (mask.cuh)
     int window_right;
     int alibi_batch_stride;      // nheads for (batch, nheads) slopes, else 0
+    int batch;                   // sequences (the persistent sm90 grid walks batch x heads x q blocks)
     float softcap;               // 0: off
     float softmax_scale;
     float scale_log2;            // softmax_scale * log2(e)

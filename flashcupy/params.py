@@ -32,7 +32,8 @@ FWD_FIELDS = (
     + _strides("q") + _strides("k") + _strides("v") + _strides("o")
     + [("lse_batch_stride", I64), ("lse_head_stride", I64)]
     + [(name, I32) for name in ("max_seqlen_q", "max_seqlen_k", "nheads", "heads_per_kv_head",
-                                "align_bottom_right", "window_left", "window_right", "alibi_batch_stride")]
+                                "align_bottom_right", "window_left", "window_right", "alibi_batch_stride",
+                                "batch")]
     + [(name, F32) for name in ("softcap", "softmax_scale", "scale_log2")]
 )
 # BwdParams derives from FwdParams: its own fields start after the whole (padded) base struct.
@@ -190,6 +191,7 @@ def fwd_values(problem, q, k, v, out, lse) -> dict:
         "align_bottom_right": int(problem.band.bottom_right),
         "window_left": problem.band.left, "window_right": problem.band.right,
         "alibi_batch_stride": problem.nheads if slopes is not None and slopes.ndim == 2 else 0,
+        "batch": problem.batch,
         "softcap": o.softcap, "softmax_scale": problem.scale, "scale_log2": problem.scale * LOG2E,
     }
 

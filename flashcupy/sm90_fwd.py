@@ -1,5 +1,5 @@
-"""The sm90 forward family: FlashAttention-3's Hopper forward (TMA, wgmma, a producer and two
-consumer warpgroups; cuda_src/fwd_sm90.cu), compiled by NVRTC for sm_90a.
+"""The sm90 forward family: FlashAttention-3's Hopper forward (TMA, wgmma, a producer and two or
+three consumer warpgroups, a persistent grid; cuda_src/fwd_sm90.cu), compiled by NVRTC for sm_90a.
 
 It serves head dims 64, 128 and 256 on compute capability 9.0, with every option of the API (masks,
 GQA, varlen, softcap, ALiBi, sinks); other head dims stay with the sm80 family, and `unsupported`
@@ -50,7 +50,7 @@ def smem_bytes(head_dim: int, tile: Sm90FwdTile) -> int:
     """Q, stages x (K, V), the mbarriers, and 1024 bytes to align the swizzled tiles (fwd_sm90.cu)."""
     q = tile.block_m * head_dim * 2
     kv = tile.block_n * head_dim * 2
-    return q + 2 * tile.stages * kv + (1 + 4 * tile.stages) * 8 + 1024
+    return q + 2 * tile.stages * kv + (2 + 4 * tile.stages) * 8 + 1024
 
 
 @dataclass(frozen=True)
@@ -197,11 +197,11 @@ class Sm90Forward(Family):
     def run(self, problem, device, q, k, v, out, lse) -> None:
         var = self.variant(problem, device)
         tile = var.tile
-        num_m = -(-problem.max_seqlen_q // tile.block_m)
-        if problem.nheads > 65535 or problem.batch > 65535:
-            raise ValueError("the sm90 forward takes at most 65535 heads and 65535 batch entries; split the batch")
-        plan = LaunchPlan((grid_blocks(num_m, "q blocks"), problem.nheads, problem.batch), (tile.threads, 1, 1),
-                          var.smem_bytes)
+        # A persistent grid: one block per SM (the tiles' shared memory allows no second), or fewer
+        # when there are fewer work tiles.
+        num_tiles = grid_blocks(-(-problem.max_seqlen_q // tile.block_m) * problem.nheads * problem.batch,
+                                "q blocks x heads x batch")
+        plan = LaunchPlan((min(num_tiles, device.sm_count), 1, 1), (tile.threads, 1, 1), var.smem_bytes)
         record = params.pack("FwdParams", params.fwd_values(problem, q, k, v, out, lse))
         maps = (_map_of(q, problem.dtype, tile.block_m), _map_of(k, problem.dtype, tile.block_n),
                 _map_of(v, problem.dtype, tile.block_n))
