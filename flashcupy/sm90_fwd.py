@@ -197,11 +197,14 @@ class Sm90Forward(Family):
     def run(self, problem, device, q, k, v, out, lse) -> None:
         var = self.variant(problem, device)
         tile = var.tile
-        # A persistent grid: one block per SM (the tiles' shared memory allows no second), or fewer
-        # when there are fewer work tiles.
         num_tiles = grid_blocks(-(-problem.max_seqlen_q // tile.block_m) * problem.nheads * problem.batch,
                                 "q blocks x heads x batch")
-        plan = LaunchPlan((min(num_tiles, device.sm_count), 1, 1), (tile.threads, 1, 1), var.smem_bytes)
+        # Without a mask every tile costs the same: a persistent grid, one block per SM (the tiles'
+        # shared memory allows no second). Causal and local tiles differ in cost: a block per tile,
+        # heaviest first, which the hardware hands to SMs as they free up (a static round robin of
+        # persistent blocks measured 10-25% slower there).
+        blocks = num_tiles if var.mask != "none" else min(num_tiles, device.sm_count)
+        plan = LaunchPlan((blocks, 1, 1), (tile.threads, 1, 1), var.smem_bytes)
         record = params.pack("FwdParams", params.fwd_values(problem, q, k, v, out, lse))
         maps = (_map_of(q, problem.dtype, tile.block_m), _map_of(k, problem.dtype, tile.block_n),
                 _map_of(v, problem.dtype, tile.block_n))
