@@ -23,7 +23,7 @@ DIST_INFO = f"flashcupy-{flashcupy.__version__}.dist-info"
 
 # The kernel the fresh environment compiles: one expression, evaluated with flashcupy.build and
 # flashcupy.configs imported, that returns a cubin.
-PROBE = 'build.compile_cubin(configs.fwd_variant(64, "float16", "none", 80), "sm_80")'
+PROBE = 'build.compile_cubin(sm80.fwd_variant(64, "float16", "none", 80), "sm_80")'
 # What pip prints when it cannot reach the package index (the only case that skips): it names the
 # connection error in the warnings of its retries.
 UNREACHABLE = ("connection error:", "NewConnectionError", "Failed to establish a new connection",
@@ -138,7 +138,7 @@ def test_fresh_environment_with_the_cuda12_extra_compiles_a_kernel(wheel, tmp_pa
 
     script = "\n".join([
         "import json, os",
-        "from flashcupy import build, configs",
+        "from flashcupy import build, sm80",
         f"cubin = {PROBE}",
         "maps = '/proc/self/maps'",
         "nvrtc = sorted({line.split()[-1] for line in open(maps) if 'libnvrtc' in line}) "
