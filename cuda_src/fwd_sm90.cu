@@ -107,10 +107,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     // Persistent grid: block b takes work tiles b, b + gridDim.x, ... of num_m_blocks x heads x
     // batch; producer and consumers walk the same sequence, and the K/V stages and the Q buffer
     // carry their phases from one tile to the next, so the next tile's loads start while this one
-    // finishes. Causal and local: the bottom q blocks, which see the most keys, come first.
+    // finishes. Causal and local: the bottom q blocks of a head, which see the most keys, first.
     const int num_m_blocks = (p.max_seqlen_q + kBlockM - 1) / kBlockM;
-    const int num_hb = p.nheads * p.batch;
-    const int num_tiles = num_m_blocks * num_hb;
+    const int num_tiles = num_m_blocks * p.nheads * p.batch;
     struct Tile {
         int m_block, head, batch, row0, n_block_min, n_block_max;
         SeqLens seq;
@@ -118,8 +117,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
         int band_offset;
     };
     auto tile_at = [&](int index) {
-        const int m_block = (Is_causal || Is_local) ? num_m_blocks - 1 - index / num_hb : index % num_m_blocks;
-        const int hb = (Is_causal || Is_local) ? index % num_hb : index / num_m_blocks;
+        // The q blocks of one (head, batch) are adjacent, so that the tiles running together share
+        // K and V in L2 (all heads' bottom blocks first measured 25-40% slower at 1k-2k causal).
+        const int m_in = index % num_m_blocks, hb = index / num_m_blocks;
+        const int m_block = (Is_causal || Is_local) ? num_m_blocks - 1 - m_in : m_in;
         const int head = hb % p.nheads, batch = hb / p.nheads;
         const SeqLens seq(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.max_seqlen_q, p.max_seqlen_k);
         const int band_offset = p.align_bottom_right ? seq.seqlen_k - seq.seqlen_q : 0;
