@@ -517,34 +517,37 @@ def _sdpa_step(impl, shape, inputs):
     gqa = {"enable_gqa": True} if shape.nheads_k != shape.nheads else {}
 
     def attend(q, k, v):
-        # (b, s, h, d) -> (b, h, s, d) views: SDPA takes the strides as they are, no copy
+        # (b, s, h, d) -> (b, h, s, d) views: SDPA takes the strides as they are, no copy; the
+        # output goes back to (b, s, h, d) as a view too
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=causal, **gqa)
+                                                  is_causal=causal, **gqa).transpose(1, 2)
 
-    if shape.mode == "fwd":
+    return _torch_step(shape.mode, attend, q, k, v, dout)
+
+
+def _torch_step(mode, attend, q, k, v, dout):
+    """The step of a torch peer whose attend(q, k, v) returns the output (b, s, h, d): the forward
+    under no_grad, or the backward through torch.autograd.grad (fresh gradients, as
+    flash_attn_backward returns; .backward() would add into .grad and time three extra elementwise
+    kernels per step), from a stored forward (bwd) or with it (fwdbwd)."""
+    import torch
+
+    if mode == "fwd":
         def forward():
             with torch.no_grad():
                 return attend(q, k, v)
         return forward
-
     leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
-    dout_t = dout.transpose(1, 2)
-    # autograd.grad returns fresh gradients, as flash_attn_backward does; .backward() would add
-    # into .grad and time three extra elementwise kernels per step
-    if shape.mode == "bwd":
+    if mode == "bwd":
         out = attend(*leaves)
-        return lambda: torch.autograd.grad(out, leaves, dout_t, retain_graph=True)
-
-    def forward_backward():
-        return torch.autograd.grad(attend(*leaves), leaves, dout_t)
-
-    return forward_backward
+        return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    return lambda: torch.autograd.grad(attend(*leaves), leaves, dout)
 
 
 def _fa4_step(shape, inputs):
     """FlashAttention-4 (flash_attn.cute, CuTe DSL; its Hopper kernels on sm90) on the same arrays,
-    through DLPack; the backward through torch.autograd.grad, as for SDPA."""
+    through DLPack."""
     try:
         from flash_attn.cute import flash_attn_func as fa4_func
     except Exception as exc:
@@ -561,16 +564,7 @@ def _fa4_step(shape, inputs):
         out = fa4_func(q, k, v, **options)
         return out[0] if isinstance(out, tuple) else out
 
-    if shape.mode == "fwd":
-        def forward():
-            with torch.no_grad():
-                return attend(q, k, v)
-        return forward
-    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
-    if shape.mode == "bwd":
-        out = attend(*leaves)
-        return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
-    return lambda: torch.autograd.grad(attend(*leaves), leaves, dout)
+    return _torch_step(shape.mode, attend, q, k, v, dout)
 
 
 def torch_unavailable_reason() -> str | None:
