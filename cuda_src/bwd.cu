@@ -225,7 +225,7 @@ struct BwdTraits {
     static constexpr int kDqPerWarp = kHeadDim / kDqParts;
     static constexpr int kPitch = SmemTile<kHeadDim>::kPitch, kPitchS = SmemTile<kBlockM>::kPitch;
     static constexpr int kPitchDq = kHeadDim + 8;  // floats per row of the staged dQ block
-    // Shared memory, in bytes; flashcupy/configs.py computes the same number for the launch.
+    // Shared memory, in bytes; flashcupy/sm80.py launches with the same number (CI asserts it: layout_check).
     static constexpr int kSmemK = kBlockN * kPitch * 2;                    // K_j, and V_j after it
     static constexpr int kSmemQ = kBlockM * kPitch * 2;                    // Q_i or dO_i; a stage holds both
     static constexpr int kSmemS = kBlockN * kPitchS * 2;                   // dS^T

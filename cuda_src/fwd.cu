@@ -39,7 +39,7 @@ struct FwdTraits {
     static constexpr int kNTiles = kBlockN / 8;        // 8-key mma tiles of S
     static constexpr int kDTiles = kHeadDim / 8;       // 8-column mma tiles of O
     static constexpr int kPitch = SmemTile<kHeadDim>::kPitch;
-    // Q, K and V tiles; flashcupy/configs.py computes the same number for the launch.
+    // Q, K and V tiles; flashcupy/sm80.py launches with the same number (CI asserts it: layout_check).
     static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kPitch * 2;
     static_assert(kHeadDim % 32 == 0, "head dim must be a multiple of 32");
     static_assert(kBlockM % (16 * kNWarps) == 0, "each warp needs whole 16-row tiles");

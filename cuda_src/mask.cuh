@@ -4,7 +4,7 @@
 // bottom-right corner, as flash-attn >= 2.1).
 // Is_local: the general band, row i sees keys [i + offset - left, i + offset + right], where
 // offset = seqlen_k - seqlen_q (bottom-right) or 0 (top-left, as PyTorch SDPA and JAX), and a side
-// the caller leaves unbounded arrives as a bound no row reaches (flashcupy/launch.py, plan_band).
+// the caller leaves unbounded arrives as a bound no row reaches (flashcupy/problem.py, plan_band).
 // It serves sliding windows, causal with a window, and top-left causal; plain bottom-right causal
 // keeps its own cheaper instance. Tiles outside the keys a q block can see are never visited; only
 // tiles that straddle an edge are masked (tile_needs_mask), every other tile skips the work.
