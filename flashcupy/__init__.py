@@ -1,4 +1,5 @@
-"""flashcupy: exact attention (FlashAttention-2) for CuPy arrays, with kernels compiled by NVRTC."""
+"""flashcupy: exact attention (FlashAttention-2, and FlashAttention-3's Hopper forward) for CuPy arrays,
+with kernels compiled by NVRTC."""
 
 from .api import (FlashAttention, flash_attn_backward, flash_attn_func, flash_attn_varlen_backward,
                   flash_attn_varlen_func)
