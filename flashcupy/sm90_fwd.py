@@ -1,7 +1,7 @@
 """The sm90 forward family: FlashAttention-3's Hopper forward (TMA, wgmma, a producer and two or
 three consumer warpgroups, a persistent grid; cuda_src/fwd_sm90.cu), compiled by NVRTC for sm_90a.
 
-It serves head dims 64, 128 and 256 on compute capability 9.0, with every option of the API (masks,
+It serves head dims 64, 128, 192 and 256 on compute capability 9.0, with every option of the API (masks,
 GQA, varlen, softcap, ALiBi, sinks); other head dims stay with the sm80 family, and `unsupported`
 says why. The tensor maps of q, k
 and v are encoded on the host for each call (cuda.bindings' cuTensorMapEncodeTiled) and cached by
@@ -23,7 +23,7 @@ from .registry import Family
 
 NVRTC_OPTIONS = ("-std=c++17",)
 ARCH = "sm_90a"
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 192, 256)
 CHUNK = 64          # head-dim columns per 128-byte swizzle atom
 TMA_BYTES = 128     # one tensor map
 ARGS_TMA_OFFSET = 256  # Sm90FwdArgs: FwdParams, then the q, k, v tensor maps (64-byte aligned)
@@ -41,9 +41,10 @@ class Sm90FwdTile:
 
 
 # Tiles by head dim (Sm90FwdTraits), measured on an H100 (docs/PERF_NOTES.md): at d = 64 three
-# consumer warpgroups (192 rows) keep the tensor cores busier than two; d = 256 takes 80-key
-# blocks so that O (128 registers a thread) still fits.
-_TILES = {64: Sm90FwdTile(192, 128, 2), 128: Sm90FwdTile(128, 128, 2), 256: Sm90FwdTile(128, 80, 2)}
+# consumer warpgroups (192 rows) keep the tensor cores busier than two; d = 192 and 256 take 96- and
+# 80-key blocks so that O (96 and 128 registers a thread) still fits (d = 192 not yet tuned).
+_TILES = {64: Sm90FwdTile(192, 128, 2), 128: Sm90FwdTile(128, 128, 2), 192: Sm90FwdTile(128, 96, 2),
+          256: Sm90FwdTile(128, 80, 2)}
 
 
 def smem_bytes(head_dim: int, tile: Sm90FwdTile) -> int:

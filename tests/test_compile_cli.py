@@ -12,9 +12,9 @@ from flashcupy import build, cli, configs, device, registry, sm80, sm90_fwd
 from flashcupy.device import DeviceInfo
 from cli_helpers import FAKE_GPU, invoke, on_gpu
 
-# per Hopper device: fwd sm90 (3 head dims x 2 dtypes x 3 masks x score mods off/on) and sm80 (6 head
+# per Hopper device: fwd sm90 (4 head dims x 2 dtypes x 3 masks x score mods off/on) and sm80 (6 head
 # dims ...), bwd sm80 (144 main + 36 helpers)
-FWD_KERNELS = 36 + 72
+FWD_KERNELS = 48 + 72
 ALL_KERNELS = FWD_KERNELS + 180
 
 

@@ -42,7 +42,7 @@ MASK_IDS = ["none", "causal", "window", "causal-top-left"]
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 @pytest.mark.parametrize("options", MASKS, ids=MASK_IDS)
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (17, 17), (127, 129), (129, 127), (1000, 1000),
                                                 (4099, 257), (257, 4099)])
@@ -107,7 +107,7 @@ SCORE_MODS = [
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 @pytest.mark.parametrize("case", SCORE_MODS, ids=[c[1] for c in SCORE_MODS])
 def test_softcap_alibi(dtype_name, head_dim, case):
     import cupy
@@ -138,7 +138,7 @@ VARLEN = [([1, 17, 0, 127, 129, 1000], [5, 17, 3, 0, 300, 1000], {}),
           ([129, 1, 300], [129, 1, 300], {"causal": True, "softcap": 3.0})]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 @pytest.mark.parametrize("lengths_q, lengths_k, options", VARLEN)
 def test_varlen(head_dim, lengths_q, lengths_k, options):
     import cupy
