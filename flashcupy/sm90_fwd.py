@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
 from dataclasses import dataclass
 
 import numpy as np
@@ -154,10 +155,10 @@ def pack_args(fwd_record: np.void, maps) -> np.void:
 # The family
 # ----------------------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def _bindings_missing() -> str | None:
-    try:
-        from cuda.bindings import driver  # noqa: F401
-    except ImportError:
+    """Why the tensor maps cannot be encoded here (cuda-bindings not installed), or None."""
+    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
         return "needs NVIDIA's cuda-bindings for its tensor maps (pip install 'flashcupy[cuda12]')"
     return None
 
