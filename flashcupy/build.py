@@ -82,6 +82,13 @@ def compile_cubin(variant, arch: str) -> bytes:
         nvrtc.destroyProgram(prog)
 
 
+def smem_check(traits: str, variant) -> str:
+    """A variant's layout_check: C++ that fails to compile unless the kernel traits' own shared-memory
+    size (`traits`::kSmemBytes) is the one the variant launches with."""
+    return (f'static_assert({traits}::kSmemBytes == {variant.smem_bytes}, '
+            f'"{variant} is launched with {variant.smem_bytes} B of shared memory");')
+
+
 def _whole_elf(cubin: bytes) -> bytes:
     """CuPy's getCUBIN returns the image less its last byte (read as a C string); pad it back to the
     size its ELF header declares (the end of the program- or section-header table), so that the

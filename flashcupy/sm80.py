@@ -88,10 +88,8 @@ class FwdVariant:
     @property
     def layout_check(self) -> str:
         t = self.tile
-        traits = (f"FwdTraits<{self.head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}, {mask_flags(self.mask)}, "
-                  f"{cpp_bool(self.dtype == 'bfloat16')}>")
-        return (f'static_assert({traits}::kSmemBytes == {self.smem_bytes}, '
-                f'"flashcupy/sm80.py launches {self} with {self.smem_bytes} B of shared memory");')
+        return build.smem_check(f"FwdTraits<{self.head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}, "
+                                f"{mask_flags(self.mask)}, {cpp_bool(self.dtype == 'bfloat16')}>", self)
 
     def __str__(self) -> str:
         t = self.tile
@@ -202,9 +200,8 @@ class BwdVariant:
     @property
     def layout_check(self) -> str:
         t = self.tile
-        traits = f"BwdTraits<{self.head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}, {t.stages}>"
-        return (f'static_assert({traits}::kSmemBytes == {self.smem_bytes}, '
-                f'"flashcupy/sm80.py launches {self} with {self.smem_bytes} B of shared memory");')
+        return build.smem_check(f"BwdTraits<{self.head_dim}, {t.block_m}, {t.block_n}, {t.num_warps}, {t.stages}>",
+                                self)
 
     def __str__(self) -> str:
         t = self.tile

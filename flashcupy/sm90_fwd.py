@@ -79,8 +79,7 @@ class Sm90FwdVariant:
     @property
     def layout_check(self) -> str:
         t = self.tile
-        return (f"static_assert(Sm90FwdTraits<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}>::kSmemBytes == "
-                f'{self.smem_bytes}, "flashcupy/sm90_fwd.py launches {self} with {self.smem_bytes} B");')
+        return build.smem_check(f"Sm90FwdTraits<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}>", self)
 
     def __str__(self) -> str:
         t = self.tile
