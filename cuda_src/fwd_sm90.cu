@@ -20,8 +20,8 @@
 //               wait P V; release V_j'; O = O exp2(m - m_new)
 //           release Q (the producer loads the next tile's); O += P V_last
 //           O /= l, LSE = m softmax_scale + ln(l) (a sink joins l); O, LSE to memory.
-//       The two warpgroups share the tensor cores as their GEMMs come; an explicit ping-pong
-//       (named barriers alternating their GEMMs) measured 26-35% slower here (docs/PERF_NOTES.md).
+//       With kPingPong the consumers issue each loop iteration's two GEMMs in turn (named
+//       barriers), so one warpgroup's softmax runs under the others' GEMMs (FlashAttention-3, 3.1).
 // The wgmma accumulators of a warp hold its 16 rows in the mma.sync m16n8 layout (sm90.cuh), so
 // the online softmax, the mask and the score mods are softmax.cuh's, mask.cuh's and score_mod.cuh's,
 // with fragment.cuh's MmaAccCoords placing the scores, shared with the sm80 kernels.
@@ -56,26 +56,36 @@ struct Sm90FwdTraits {
     static constexpr int kOffK = kQBytes;
     static constexpr int kOffV = kOffK + kStages * kKVBytes;
     static constexpr int kOffBar = kOffV + kStages * kKVBytes;
-    static constexpr int kBarriers = 2 + 4 * kStages;  // Q full; per stage K full, V full, K empty, V empty; Q empty
+    // Q full; per stage K full, V full, K empty, V empty; Q empty; per tile slot full, empty
+    static constexpr int kTileSlots = 2;  // the producer announces the consumers' next tiles through these
+    static constexpr int kBarriers = 2 + 4 * kStages + 2 * kTileSlots;
+    static constexpr int kOffTileSlots = kOffBar + kBarriers * 8;
     // + 1024: the dynamic shared memory base is aligned up to the swizzle atom's 1024 bytes.
-    static constexpr int kSmemBytes = kOffBar + kBarriers * 8 + 1024;
+    static constexpr int kSmemBytes = kOffTileSlots + kTileSlots * 4 + 1024;
     static_assert(kHeadDim % kChunk == 0 && kHeadDim <= 256, "head dim: whole 64-column chunks");
     static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key block: a wgmma N");
     static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles on swizzle-atom boundaries");
 };
 
-// The kernel's one parameter: the parameter struct and the tensor maps of q, k and v, each a 4-D
-// (headdim, seqlen, heads, batch) view with the caller's strides (flashcupy/sm90_fwd.py).
+// The kernel's one parameter: the parameter struct, the tile order's section width, and the tensor
+// maps of q, k and v, each a 4-D (headdim, seqlen, heads, batch) view with the caller's strides
+// (flashcupy/sm90_fwd.py).
 struct Sm90FwdArgs {
     FwdParams p;
+    int section_heads;  // (head, batch) pairs whose q blocks interleave in the tile order
+    int pad_;
+    // null: block b takes tiles b, b + gridDim.x, ...; else {next, finished}, two zeros at launch,
+    // from which blocks take their next tile as they free up (and which the last block zeroes)
+    int* tile_counter;
     TmaDesc q, k, v;
 };
-static_assert(sizeof(FwdParams) <= 256 && sizeof(Sm90FwdArgs) == 256 + 3 * 128,
-              "flashcupy/sm90_fwd.py lays the tensor maps at bytes 256, 384 and 512");
+// section_heads follows FwdParams directly (its size is a multiple of its 8-byte alignment).
+static_assert(sizeof(FwdParams) + 16 <= 256 && sizeof(Sm90FwdArgs) == 256 + 3 * 128,
+              "flashcupy/sm90_fwd.py lays section_heads, tile_counter after FwdParams, the tensor maps at 256, 384, 512");
 
-template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool Is_causal, bool Is_local, bool Is_bf16,
-          bool Has_score_mod>
+template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kPingPong, bool Is_causal, bool Is_local,
+          bool Is_bf16, bool Has_score_mod>
 __global__ void __launch_bounds__(128 * (1 + kBlockM / 64), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     using T = Sm90FwdTraits<kHeadDim, kBlockM, kBlockN, kStages>;
@@ -91,6 +101,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
 
     const int tid = threadIdx.x, warpgroup = tid / 128, lane = tid & 31;
     const u32 q_empty = sBar + 8 * (1 + 4 * kStages);
+    auto tile_full = [&](int s) { return sBar + 8 * (2 + 4 * kStages + s); };
+    auto tile_empty = [&](int s) { return sBar + 8 * (2 + 4 * kStages + T::kTileSlots + s); };
+    volatile int* tile_slot = reinterpret_cast<int*>(smem_raw + (smem - smem_u32(smem_raw)) + T::kOffTileSlots);
     if (tid == 0) {
         mbar_init(q_full, 1);
         mbar_init(q_empty, T::kConsumers);
@@ -100,14 +113,20 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
             mbar_init(k_empty(s), T::kConsumers);
             mbar_init(v_empty(s), T::kConsumers);
         }
+        for (int s = 0; s < T::kTileSlots; ++s) {
+            mbar_init(tile_full(s), 1);
+            mbar_init(tile_empty(s), T::kConsumers);
+        }
         mbar_fence_init();
     }
     __syncthreads();
 
-    // Persistent grid: block b takes work tiles b, b + gridDim.x, ... of num_m_blocks x heads x
-    // batch; producer and consumers walk the same sequence, and the K/V stages and the Q buffer
-    // carry their phases from one tile to the next, so the next tile's loads start while this one
-    // finishes. Causal and local: the bottom q blocks of a head, which see the most keys, first.
+    // Persistent grid: a block walks work tiles (indices into tile_at's order, num_m_blocks x heads
+    // x batch): its first is blockIdx.x, the next blockIdx.x + gridDim.x, ... or, with a tile
+    // counter, the next one not yet taken. The producer picks each tile and announces it to the
+    // consumers through a ring of tile slots (an index >= num_tiles: no more); the K/V stages and
+    // the Q buffer carry their phases from one tile to the next, so the next tile's loads start
+    // while this one finishes.
     const int num_m_blocks = (p.max_seqlen_q + kBlockM - 1) / kBlockM;
     const int num_tiles = num_m_blocks * p.nheads * p.batch;
     struct Tile {
@@ -117,9 +136,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
         int band_offset;
     };
     auto tile_at = [&](int index) {
-        // The q blocks of one (head, batch) are adjacent, so that the tiles running together share
-        // K and V in L2 (all heads' bottom blocks first measured 25-40% slower at 1k-2k causal).
-        const int m_in = index % num_m_blocks, hb = index / num_m_blocks;
+        // Sections of section_heads (head, batch) pairs, whose K and V fit in L2 together, one
+        // after the other; inside a section the q blocks go row by row across its pairs, the
+        // bottom row first for causal and local (their heaviest blocks: longest work first). One
+        // pair per section (unmasked problems) walks a head's q blocks in order.
+        const int num_hb = p.nheads * p.batch, section_tiles = args.section_heads * num_m_blocks;
+        const int section = index / section_tiles, in_section = index % section_tiles;
+        const int width = min(args.section_heads, num_hb - section * args.section_heads);  // the last may be narrower
+        const int m_in = in_section / width, hb = section * args.section_heads + in_section % width;
         const int m_block = (Is_causal || Is_local) ? num_m_blocks - 1 - m_in : m_in;
         const int head = hb % p.nheads, batch = hb / p.nheads;
         const SeqLens seq(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.max_seqlen_q, p.max_seqlen_k);
@@ -138,12 +162,22 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
 
     if (warpgroup == 0) {  // ---- producer ----
         regs_release<T::kProducerRegs>();
+        // The first ping-pong turn to consumer 0 (an arrival from the consumers' own code, which
+        // ptxas sees as divergent, would make it serialize their wgmma).
+        if (kPingPong) named_bar_arrive(1, 256);
         if (tid == 0) {
             tma_prefetch_desc(&args.q);
             tma_prefetch_desc(&args.k);
             tma_prefetch_desc(&args.v);
             int q_iter = 0, kv_iter = 0;
-            for (int index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+            for (int index = blockIdx.x, slot_iter = 0;; ++slot_iter) {
+                if (slot_iter > 0)
+                    index = args.tile_counter ? atomicAdd(args.tile_counter, 1) + int(gridDim.x) : index + int(gridDim.x);
+                const int slot = slot_iter % T::kTileSlots;
+                mbar_wait(tile_empty(slot), ((slot_iter / T::kTileSlots) & 1) ^ 1);
+                tile_slot[slot] = index;
+                mbar_arrive(tile_full(slot));
+                if (index >= num_tiles) break;
                 const Tile w = tile_at(index);
                 if (w.row0 >= w.seq.seqlen_q || w.n_block_max <= w.n_block_min) continue;
                 const int kv_head = w.head / p.heads_per_kv_head, k_row0 = w.seq.k_start;
@@ -172,6 +206,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
                                     k_row0 + n_block * kBlockN, kv_head, tma_batch(w.batch));
                 }
             }
+            // The last block to finish zeroes the counter for the next launch.
+            if (args.tile_counter && atomicAdd(args.tile_counter + 1, 1) == int(gridDim.x) - 1) {
+                atomicExch(args.tile_counter, 0);
+                atomicExch(args.tile_counter + 1, 0);
+            }
         }
         return;
     }
@@ -179,6 +218,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     // ---- consumers ----
     regs_claim<T::kConsumerRegs>();
     const int consumer = warpgroup - 1;                          // rows 64 consumer .. of the q block
+    // Ping-pong: the consumers issue their main-loop GEMMs in turn (consumer 0, 1, .., 0, ..), each
+    // waiting on its own named barrier (1 + consumer) for the previous one's arrival, so that one
+    // warpgroup's softmax runs while the tensor cores work through the others' GEMMs. Consumer 0
+    // holds the first turn (the producer warpgroup's arrival). Every consumer takes the same number
+    // of turns per tile.
+    const int turn_bar = 1 + consumer, next_turn_bar = 1 + (consumer + 1) % T::kConsumerWGs;
     const int warp_row0 = 64 * consumer + 16 * ((tid / 32) % 4);  // this warp's first row in the block
     const int g = lane >> 2, t = lane & 3;
     // Descriptors: K-major Q (this warpgroup's 64 rows) and K, 8-row groups 1024 bytes apart, k
@@ -186,7 +231,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     // along the head dim, 16 keys 2048 bytes apart.
     const u32 sQ_wg = sQ + consumer * 64 * 128;
     int q_iter = 0, kv_iter = 0;
-    for (int index = blockIdx.x; index < num_tiles; index += gridDim.x) {
+    for (int slot_iter = 0;; ++slot_iter) {
+        const int slot = slot_iter % T::kTileSlots;
+        mbar_wait(tile_full(slot), (slot_iter / T::kTileSlots) & 1);
+        const int index = tile_slot[slot];
+        mbar_arrive(tile_empty(slot));
+        if (index >= num_tiles) break;
         const Tile w = tile_at(index);
         if (w.row0 >= w.seq.seqlen_q) continue;  // varlen: past this sequence's end
         const int row0 = w.row0, n_block_max = w.n_block_max;
@@ -252,10 +302,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
                 fence_regs(s_flat);
                 fence_regs(o_flat);
                 mbar_wait(k_full(stage_of(it)), parity_of(it));
+                if (kPingPong) named_bar_sync(turn_bar, 256);
                 wgmma_fence();
                 issue_s(s_flat, stage_of(it));
                 mbar_wait(v_full(stage_of(it - 1)), parity_of(it - 1));
                 issue_pv(a_p, stage_of(it - 1));
+                if (kPingPong) named_bar_arrive(next_turn_bar, 256);
                 wgmma_wait<1>();  // S done; P V may still run
                 fence_regs(s_flat);
                 mbar_arrive(k_empty(stage_of(it)));

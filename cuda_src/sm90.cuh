@@ -46,6 +46,15 @@ FC_DEVICE void tma_load_4d(u32 dst, const TmaDesc* desc, u32 bar, int c0, int c1
                  : "memory");
 }
 
+// ---- named barriers (ids 1..15; 0 is __syncthreads): warps of several warpgroups take turns ------
+// bar.sync waits until `count` threads have arrived (itself included); bar.arrive only counts.
+FC_DEVICE void named_bar_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+FC_DEVICE void named_bar_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
 // ---- register reallocation between warpgroups (setmaxnreg) -------------------------------------
 template <int kRegs>
 FC_DEVICE void regs_release() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs)); }

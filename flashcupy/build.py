@@ -77,9 +77,22 @@ def compile_cubin(variant, arch: str) -> bytes:
             raise KernelCompileError(f"NVRTC failed to compile {variant} for {arch}:\n"
                                      f"{nvrtc.getProgramLog(prog)}") from exc
         nvrtc.getLoweredName(prog, variant.name_expression)  # raises if the instance is missing
+        check_ptxas_log(nvrtc.getProgramLog(prog), variant, arch)
         return _whole_elf(nvrtc.getCUBIN(prog))
     finally:
         nvrtc.destroyProgram(prog)
+
+
+# ptxas's warnings that a kernel compiled but lost its design: e.g. wgmma serialized (each waits for
+# the previous one) when an operand register may change on a divergent path between them.
+PERFORMANCE_WARNINGS = ("Potential Performance Loss",)
+
+
+def check_ptxas_log(log: str, variant, arch: str) -> None:
+    """Raise KernelCompileError if the compiler log carries a performance warning."""
+    bad = [line.strip() for line in log.splitlines() if any(w in line for w in PERFORMANCE_WARNINGS)]
+    if bad:
+        raise KernelCompileError(f"{variant} for {arch} compiled with a performance warning:\n" + "\n".join(bad))
 
 
 def smem_check(traits: str, variant) -> str:

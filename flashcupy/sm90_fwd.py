@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,7 @@ class Sm90FwdTile:
     block_m: int  # query rows per thread block: 64 per consumer warpgroup
     block_n: int  # keys per pipeline stage
     stages: int
+    ping_pong: bool = False  # consumers take turns issuing their GEMMs (named barriers)
 
     @property
     def threads(self) -> int:
@@ -44,15 +46,21 @@ class Sm90FwdTile:
 # Tiles by head dim (Sm90FwdTraits), measured on an H100 (docs/PERF_NOTES.md): at d = 64 three
 # consumer warpgroups (192 rows) keep the tensor cores busier than two; d = 192 and 256 take 96- and
 # 80-key blocks so that O (96 and 128 registers a thread) still fits (d = 192 not yet tuned).
-_TILES = {64: Sm90FwdTile(192, 128, 2), 128: Sm90FwdTile(128, 128, 2), 192: Sm90FwdTile(128, 96, 2),
-          256: Sm90FwdTile(128, 80, 2)}
+# Ping-pong measured +5-12% at d = 64 and +1-16% at d = 128, nothing at d = 256.
+_TILES = {64: Sm90FwdTile(192, 128, 2, ping_pong=True), 128: Sm90FwdTile(128, 128, 2, ping_pong=True),
+          192: Sm90FwdTile(128, 96, 2), 256: Sm90FwdTile(128, 80, 2)}
+
+
+TILE_SLOTS = 2  # Sm90FwdTraits::kTileSlots
 
 
 def smem_bytes(head_dim: int, tile: Sm90FwdTile) -> int:
-    """Q, stages x (K, V), the mbarriers, and 1024 bytes to align the swizzled tiles (fwd_sm90.cu)."""
+    """Q, stages x (K, V), the mbarriers, the tile slots, and 1024 bytes to align the swizzled tiles
+    (Sm90FwdTraits in fwd_sm90.cu)."""
     q = tile.block_m * head_dim * 2
     kv = tile.block_n * head_dim * 2
-    return q + 2 * tile.stages * kv + (2 + 4 * tile.stages) * 8 + 1024
+    barriers = 2 + 4 * tile.stages + 2 * TILE_SLOTS
+    return q + 2 * tile.stages * kv + barriers * 8 + TILE_SLOTS * 4 + 1024
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,7 @@ class Sm90FwdVariant:
     @property
     def name_expression(self) -> str:
         t = self.tile
-        return (f"flash_fwd_sm90_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}, {mask_flags(self.mask)}, "
+        return (f"flash_fwd_sm90_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}, {cpp_bool(t.ping_pong)}, {mask_flags(self.mask)}, "
                 f"{cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.score_mod)}>")
 
     @property
@@ -85,7 +93,7 @@ class Sm90FwdVariant:
         t = self.tile
         return (f"fwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask}{'+score_mod' if self.score_mod else ''} "
                 f"tile={t.block_m}x{t.block_n} "
-                f"stages={t.stages}")
+                f"stages={t.stages}{' ping-pong' if t.ping_pong else ''}")
 
 
 def variant(head_dim: int, dtype: str, mask: str, score_mod: bool = False) -> Sm90FwdVariant:
@@ -135,19 +143,61 @@ def _map_of(array, dtype: str, box_rows: int) -> bytes:
     return tensor_map(array.data.ptr, dtype, shape, strides, box_rows)
 
 
-_ARGS_DTYPE = np.dtype({"names": ["p", "q", "k", "v"],
-                        "formats": [params.record_dtype("FwdParams"), "V128", "V128", "V128"],
-                        "offsets": [0, ARGS_TMA_OFFSET, ARGS_TMA_OFFSET + TMA_BYTES, ARGS_TMA_OFFSET + 2 * TMA_BYTES],
+_FWD_BYTES = params.record_dtype("FwdParams").itemsize
+_ARGS = struct.Struct(f"<{_FWD_BYTES}s i 4x Q {ARGS_TMA_OFFSET - _FWD_BYTES - 16}x")  # Sm90FwdArgs up to the maps
+_ARGS_DTYPE = np.dtype({"names": ["p", "section_heads", "tile_counter", "q", "k", "v"],
+                        "formats": [params.record_dtype("FwdParams"), "<i4", "<u8", "V128", "V128", "V128"],
+                        "offsets": [0, _FWD_BYTES, _FWD_BYTES + 8, ARGS_TMA_OFFSET, ARGS_TMA_OFFSET + TMA_BYTES,
+                                    ARGS_TMA_OFFSET + 2 * TMA_BYTES],
                         "itemsize": ARGS_TMA_OFFSET + 3 * TMA_BYTES})
 
 
-def pack_args(fwd_record: np.void, maps) -> np.void:
-    """Sm90FwdArgs: the FwdParams record, then the q, k, v tensor maps."""
+def pack_args(fwd_record: np.void, section_heads: int, tile_counter: int, maps) -> np.void:
+    """Sm90FwdArgs: the FwdParams record, the tile order's section width, the tile counter's address
+    (0: none), the q, k, v tensor maps."""
     raw = bytearray(_ARGS_DTYPE.itemsize)
-    raw[:fwd_record.dtype.itemsize] = fwd_record.tobytes()
+    raw[:ARGS_TMA_OFFSET] = _ARGS.pack(fwd_record.tobytes(), int(section_heads), int(tile_counter))
     for i, m in enumerate(maps):
         raw[ARGS_TMA_OFFSET + i * TMA_BYTES:ARGS_TMA_OFFSET + (i + 1) * TMA_BYTES] = m
     return np.frombuffer(bytes(raw), _ARGS_DTYPE)[0]
+
+
+_COUNTERS: dict = {}
+
+
+def tile_counter() -> int:
+    """The address of the tile counter of the current device and stream: two int32 zeros that the
+    kernel leaves zero when it ends. Kernels in one stream run one after the other, so they can share it."""
+    import cupy
+
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = cupy.zeros(2, dtype=cupy.int32)
+    return _COUNTERS[key].data.ptr
+
+
+def schedule(num_tiles: int, mask: str, device) -> tuple:
+    """(blocks, tile counter address or 0): a persistent grid, one block per SM (the tiles' shared
+    memory allows no second). Without a mask every tile costs the same and block b takes tiles b,
+    b + blocks, ...; causal and local tiles differ, and each block takes the next tile from a counter
+    as it frees up (a static round robin measured 10-25% slower there)."""
+    blocks = min(num_tiles, device.sm_count)
+    return blocks, (0 if mask == "none" else tile_counter())
+
+
+L2_KV_BYTES = 50 * 2**20  # K and V bytes the tile order keeps in L2 at once (H100 and H200: 50 MiB of L2)
+
+
+def section_heads(problem, mask: str) -> int:
+    """How many (head, batch) pairs' q blocks the tile order interleaves (fwd_sm90.cu's tile_at):
+    for causal and local problems as many as have K and V in L2 together, rounded down to a power of
+    two, so that the heaviest blocks of several heads start first while their keys stay in L2;
+    without a mask 1, each head's blocks in order (every tile costs the same)."""
+    if mask == "none":
+        return 1
+    kv_bytes = max(1, problem.max_seqlen_k) * problem.head_dim * 2 * 2
+    fit = max(1, L2_KV_BYTES // kv_bytes)
+    return min(1 << (fit.bit_length() - 1), problem.nheads * problem.batch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,13 +250,10 @@ class Sm90Forward(Family):
         tile = var.tile
         num_tiles = grid_blocks(-(-problem.max_seqlen_q // tile.block_m) * problem.nheads * problem.batch,
                                 "q blocks x heads x batch")
-        # Without a mask every tile costs the same: a persistent grid, one block per SM (the tiles'
-        # shared memory allows no second). Causal and local tiles differ in cost: a block per tile,
-        # heaviest first, which the hardware hands to SMs as they free up (a static round robin of
-        # persistent blocks measured 10-25% slower there).
-        blocks = num_tiles if var.mask != "none" else min(num_tiles, device.sm_count)
+        blocks, counter = schedule(num_tiles, var.mask, device)
         plan = LaunchPlan((blocks, 1, 1), (tile.threads, 1, 1), var.smem_bytes)
         record = params.pack("FwdParams", params.fwd_values(problem, q, k, v, out, lse))
         maps = (_map_of(q, problem.dtype, tile.block_m), _map_of(k, problem.dtype, tile.block_n),
                 _map_of(v, problem.dtype, tile.block_n))
-        build.get_kernel(var)(plan.grid, plan.block, (pack_args(record, maps),), shared_mem=plan.smem_bytes)
+        args = pack_args(record, section_heads(problem, var.mask), counter, maps)
+        build.get_kernel(var)(plan.grid, plan.block, (args,), shared_mem=plan.smem_bytes)

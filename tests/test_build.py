@@ -82,3 +82,13 @@ def test_compile_error_names_variant_and_shows_log():
         build.compile_cubin(bad, "sm_80")
     msg = str(info.value)
     assert "fwd d=48" in msg and "head dim must be a multiple of 32" in msg
+
+
+def test_performance_warning_fails_the_compile():
+    """ptxas's serialized-wgmma warning (as NVRTC 13 reports it) fails the build; other log lines do not."""
+    variant = sm80.FwdVariant(64, sm80.FwdTile(64, 64, 4), "none", "float16")
+    log = ("ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+           "to program dependence on compiler-inserted WG.AR in divergent path in the function '_Z3foov'\n")
+    with pytest.raises(build.KernelCompileError, match="serialized"):
+        build.check_ptxas_log(log, variant, "sm_90a")
+    build.check_ptxas_log("ptxas info    : Used 168 registers, used 16 barriers\n", variant, "sm_90a")
