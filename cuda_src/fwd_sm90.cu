@@ -89,6 +89,9 @@ template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kPingPong, b
 __global__ void __launch_bounds__(128 * (1 + kBlockM / 64), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     using T = Sm90FwdTraits<kHeadDim, kBlockM, kBlockN, kStages>;
+    // Large head dims rescale O under the next S = Q K^T rather than after P V (its 128 multiplies
+    // per thread at d = 256 otherwise sit between P V's end and the next GEMMs).
+    constexpr bool kRescaleUnderS = kHeadDim > 128;
     const FwdParams& p = args.p;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_u32(smem_raw) + 1023) & ~1023u;
@@ -305,6 +308,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
                 if (kPingPong) named_bar_sync(turn_bar, 256);
                 wgmma_fence();
                 issue_s(s_flat, stage_of(it));
+                if (kRescaleUnderS) {  // O's rescale by the last softmax while S is computed
+                    fence_regs(o_flat);
+                    softmax.rescale(acc_o, alpha);
+                    fence_regs(o_flat);
+                    wgmma_fence();
+                }
                 mbar_wait(v_full(stage_of(it - 1)), parity_of(it - 1));
                 issue_pv(a_p, stage_of(it - 1));
                 if (kPingPong) named_bar_arrive(next_turn_bar, 256);
@@ -318,13 +327,15 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
                 wgmma_wait<0>();
                 fence_regs(o_flat);
                 mbar_arrive(v_empty(stage_of(it - 1)));
-                softmax.rescale(acc_o, alpha);
+                if (!kRescaleUnderS) softmax.rescale(acc_o, alpha);
 #pragma unroll
                 for (int kk = 0; kk < kBlockN / 16; ++kk)
                     acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
             }
             mbar_arrive(q_empty);  // every S of this tile is done: the producer may load the next Q
             mbar_wait(v_full(stage_of(n_count - 1)), parity_of(n_count - 1));
+            fence_regs(o_flat);
+            if (kRescaleUnderS && n_count > 1) softmax.rescale(acc_o, alpha);
             fence_regs(o_flat);
             wgmma_fence();
             issue_pv(a_p, stage_of(n_count - 1));
