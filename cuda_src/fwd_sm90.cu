@@ -9,15 +9,16 @@
 //       until the consumers have released that stage's K or V (empty barriers), each completing on
 //       its full barrier with its byte count;
 //   the others, consumers (240 or 160 registers): 64 rows of the q block each. Over the key blocks
-//       (the last, masked one first, as in the sm80 kernel), with FlashAttention-3's overlap of
-//       softmax and GEMMs inside a warpgroup (the next S is computed while this P V runs):
+//       (the last, masked one first, as in the sm80 kernel), the next S issued before this P V
+//       (FlashAttention-3's intra-warpgroup overlap; ptxas holds the softmax, which writes over S,
+//       until P V is done too: docs/PERF_NOTES.md):
 //           S = Q_i K_first^T; softmax -> P                    // prologue
 //           for each next key block j, previous block j':
 //               issue S = Q_i K_j^T                         // wgmma, Q and K in shared memory
 //               issue O += P V_j'                           // wgmma, P from registers
 //               wait S; release K_j; mask S where j straddles seqlen_k or the band
 //               m_new = max(m, rowmax(S)); P = exp2(S c - m_new c); l = l exp2(m - m_new) + rowsum(P)
-//               wait P V; release V_j'; O = O exp2(m - m_new)
+//               wait P V; release V_j'; O = O exp2(m - m_new)  // d > 128: before the next P V instead
 //           release Q (the producer loads the next tile's); O += P V_last
 //           O /= l, LSE = m softmax_scale + ln(l) (a sink joins l); O, LSE to memory.
 //       With kPingPong the consumers issue each loop iteration's two GEMMs in turn (named

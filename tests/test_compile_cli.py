@@ -93,8 +93,8 @@ def test_variant_lists_follow_the_devices_opt_in():
 
 def test_variant_lists_filter():
     fwd = cli.fwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), masks=("causal",))
-    assert [str(v) for v in fwd] == ["fwd-sm90 d=64 bfloat16 mask=causal tile=192x128 stages=2",
-                                     "fwd-sm90 d=64 bfloat16 mask=causal+score_mod tile=192x128 stages=2",
+    assert [str(v) for v in fwd] == ["fwd-sm90 d=64 bfloat16 mask=causal tile=192x128 stages=2 ping-pong",
+                                     "fwd-sm90 d=64 bfloat16 mask=causal+score_mod tile=192x128 stages=2 ping-pong",
                                      "fwd d=64 bfloat16 mask=causal tile=128x128 warps=4",
                                      "fwd d=64 bfloat16 mask=causal+score_mod tile=128x128 warps=4"]
     bwd = cli.bwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), masks=("causal",), deterministic=(False,),

@@ -1,0 +1,40 @@
+"""The sm90 forward family's host side, on the CPU: its kernel argument and its tile order's sections."""
+
+import numpy as np
+import pytest
+
+from flashcupy import params, sm90_fwd
+from flashcupy.problem import AttentionOptions, Problem
+
+
+def problem(batch, seqlen, nheads, head_dim, **options):
+    return Problem.sketch(head_dim, "bfloat16", AttentionOptions(**options), batch=batch, seqlen=seqlen, nheads=nheads)
+
+
+def test_args_layout():
+    """Sm90FwdArgs: FwdParams, section_heads right after it, the tile counter 8 bytes later, the
+    three tensor maps at 256, 384 and 512 (the static_assert in fwd_sm90.cu holds the C++ side)."""
+    fwd_bytes = params.record_dtype("FwdParams").itemsize
+    record = np.zeros(1, params.record_dtype("FwdParams"))[0]
+    raw = bytes(range(256)) * 2
+    maps = [raw[i * 128:(i + 1) * 128] for i in range(3)]
+    args = sm90_fwd.pack_args(record, 12, 0xDEADBEEF0, maps).tobytes()
+    assert len(args) == 640
+    assert int.from_bytes(args[fwd_bytes:fwd_bytes + 4], "little") == 12
+    assert args[fwd_bytes + 4:fwd_bytes + 8] == bytes(4)  # padding
+    assert int.from_bytes(args[fwd_bytes + 8:fwd_bytes + 16], "little") == 0xDEADBEEF0
+    assert fwd_bytes + 16 <= 256
+    for i, m in enumerate(maps):
+        assert args[256 + 128 * i:384 + 128 * i] == m
+
+
+@pytest.mark.parametrize("batch, seqlen, nheads, head_dim, causal, expected", [
+    (8, 2048, 16, 128, False, 1),     # no mask: one head's blocks in order
+    (8, 2048, 16, 128, True, 32),     # 1 MiB of K and V per head: 50 fit, rounded down to 32
+    (1, 16384, 16, 128, True, 4),     # 8 MiB per head: 6 fit -> 4
+    (1, 65536, 8, 256, True, 1),      # one head's K and V exceed L2: a section of one
+    (1, 512, 4, 64, True, 4),         # all heads fit: every pair in one section
+])
+def test_section_heads(batch, seqlen, nheads, head_dim, causal, expected):
+    p = problem(batch, seqlen, nheads, head_dim, causal=causal)
+    assert sm90_fwd.section_heads(p, p.band.mask) == expected
