@@ -46,6 +46,12 @@ FC_DEVICE void tma_load_4d(u32 dst, const TmaDesc* desc, u32 bar, int c0, int c1
                  : "memory");
 }
 
+// ---- shared memory written by threads, then read by the async proxy (wgmma, TMA) ----------------
+FC_DEVICE void st_shared_u32(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory"); }
+// Orders this thread's shared-memory writes before later async-proxy reads of them (with a barrier
+// between the writers and the thread that issues the wgmma).
+FC_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 // ---- named barriers (ids 1..15; 0 is __syncthreads): warps of several warpgroups take turns ------
 // bar.sync waits until `count` threads have arrived (itself included); bar.arrive only counts.
 FC_DEVICE void named_bar_sync(int id, int count) {
@@ -93,6 +99,14 @@ FC_DEVICE u64 gmma_desc(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
            (u64(1) << 62);
 }
 
+// The descriptor of the same layout `bytes` further on: only the start-address field changes, and
+// it cannot carry out of its 14 bits (shared memory ends below 256 KiB), so one 32-bit add on the
+// low word does it (cheaper than building each descriptor from its address).
+FC_DEVICE u64 gmma_desc_advance(u64 desc, u32 bytes) {
+    return (desc & 0xFFFFFFFF00000000ull) | u32(u32(desc) + (bytes >> 4));
+}
+
+#define FC_REGS_16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define FC_REGS_32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define FC_REGS_40 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
 #define FC_REGS_48 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
@@ -109,6 +123,7 @@ FC_DEVICE u64 gmma_desc(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
 #define FC_AREGS_128 "{%128, %129, %130, %131}"
 #define FC_ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                       "+f"(d[i + 6]), "+f"(d[i + 7])
+#define FC_ACC16(d) FC_ACC8(d, 0), FC_ACC8(d, 8)
 #define FC_ACC32(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24)
 #define FC_ACC40(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24), FC_ACC8(d, 32)
 #define FC_ACC48(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24), FC_ACC8(d, 32), FC_ACC8(d, 40)
@@ -125,6 +140,13 @@ FC_DEVICE u64 gmma_desc(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
                  ", %" #DB ", p, 1, 1, 0, 0;\n}\n"                                                           \
                  : FC_ACC##R(d)                                                                              \
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+// A and B in shared memory, both MN-major (tnspA = tnspB = 1); D accumulates (scale-d 1).
+#define FC_WGMMA_SS_TT(N, R, T, DA, DB, SD)                                                               \
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %" #SD ", 0;\n"                                    \
+                 " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." T "." T " " FC_REGS_##R ", %" #DA       \
+                 ", %" #DB ", p, 1, 1, 1, 1;\n}\n"                                                           \
+                 : FC_ACC##R(d)                                                                              \
+                 : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 // A from registers; B in shared memory, N-major (tnspB = 1); D accumulates (scale-d 1).
 #define FC_WGMMA_RS(N, R, T, DB, SD)                                                                      \
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %" #SD ", 0;\n"                                    \
@@ -135,7 +157,7 @@ FC_DEVICE u64 gmma_desc(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
 
 template <int N, bool Is_bf16>
 struct Wgmma {
-    static_assert(N == 64 || N == 80 || N == 96 || N == 128 || N == 176 || N == 192 || N == 256,
+    static_assert(N == 32 || N == 64 || N == 80 || N == 96 || N == 128 || N == 176 || N == 192 || N == 256,
                   "wgmma N of the sm90 kernels (add its register lists above for another)");
     static constexpr int kRegs = N / 2;  // float32 accumulators per thread
 
@@ -151,6 +173,11 @@ struct Wgmma {
         FC_WGMMA_CASE(176, 88, FC_WGMMA_SS, 88, 89, 90)
         FC_WGMMA_CASE(192, 96, FC_WGMMA_SS, 96, 97, 98)
         FC_WGMMA_CASE(256, 128, FC_WGMMA_SS, 128, 129, 130)
+    }
+    // A MN-major (its M dimension contiguous), B N-major, both in shared memory
+    static FC_DEVICE void ss_tt(float (&d)[kRegs], u64 desc_a, u64 desc_b, int scale_d) {
+        FC_WGMMA_CASE(32, 16, FC_WGMMA_SS_TT, 16, 17, 18)
+        FC_WGMMA_CASE(64, 32, FC_WGMMA_SS_TT, 32, 33, 34)
     }
     static FC_DEVICE void rs(float (&d)[kRegs], const u32 (&a)[4], u64 desc_b) {
         FC_WGMMA_CASE(64, 32, FC_WGMMA_RS, 36, 37)

@@ -37,6 +37,7 @@ class Sm90FwdTile:
     block_n: int  # keys per pipeline stage
     stages: int
     ping_pong: bool = False  # consumers take turns issuing their GEMMs (named barriers)
+    advance_descs: bool = False  # wgmma descriptors advanced from their tile's (fewer instructions)
 
     @property
     def threads(self) -> int:
@@ -46,8 +47,10 @@ class Sm90FwdTile:
 # Tiles by head dim (Sm90FwdTraits), measured on an H100 (docs/PERF_NOTES.md): at d = 64 three
 # consumer warpgroups (192 rows) keep the tensor cores busier than two; d = 192 and 256 take 96- and
 # 80-key blocks so that O (96 and 128 registers a thread) still fits (d = 192 not yet tuned).
-# Ping-pong measured +5-12% at d = 64 and +1-16% at d = 128, nothing at d = 256.
-_TILES = {64: Sm90FwdTile(192, 128, 2, ping_pong=True), 128: Sm90FwdTile(128, 128, 2, ping_pong=True),
+# Ping-pong measured +5-12% at d = 64 and +1-16% at d = 128, nothing at d = 256; advanced
+# descriptors +1.5-4% at d = 128 without a mask, 3-7% slower at d = 64 causal.
+_TILES = {64: Sm90FwdTile(192, 128, 2, ping_pong=True),
+          128: Sm90FwdTile(128, 128, 2, ping_pong=True, advance_descs=True),
           192: Sm90FwdTile(128, 96, 2), 256: Sm90FwdTile(128, 80, 2)}
 
 
@@ -77,7 +80,7 @@ class Sm90FwdVariant:
     @property
     def name_expression(self) -> str:
         t = self.tile
-        return (f"flash_fwd_sm90_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}, {cpp_bool(t.ping_pong)}, {mask_flags(self.mask)}, "
+        return (f"flash_fwd_sm90_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}, {cpp_bool(t.ping_pong)}, {cpp_bool(t.advance_descs)}, {mask_flags(self.mask)}, "
                 f"{cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.score_mod)}>")
 
     @property
@@ -93,7 +96,7 @@ class Sm90FwdVariant:
         t = self.tile
         return (f"fwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask}{'+score_mod' if self.score_mod else ''} "
                 f"tile={t.block_m}x{t.block_n} "
-                f"stages={t.stages}{' ping-pong' if t.ping_pong else ''}")
+                f"stages={t.stages}{' ping-pong' if t.ping_pong else ''}{' advance-descs' if t.advance_descs else ''}")
 
 
 def variant(head_dim: int, dtype: str, mask: str, score_mod: bool = False) -> Sm90FwdVariant:
