@@ -457,10 +457,11 @@ def check_command(ctx, head_dims, seed):
         forward = family_variants("fwd", info.capability, info.smem_per_block_optin, head_dims=head_dims)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    # each backward family is checked on the forward variants' cases (head dim, dtype, mask, score mods)
+    # each backward family is checked on the forward variants' cases (head dim, dtype, mask, score
+    # mods) that it serves
     cases = [(family, variant, "fwd") for family, variant in forward]
     cases += [(family, variant, "bwd") for family in registry.families("bwd") if family.runs_on(info.capability)
-              for _, variant in forward]
+              for _, variant in forward if _serves(family, variant, info)]
     rng = np.random.default_rng(seed)
 
     click.echo(f"{info.name} (sm {_capability(info)}), batch {CHECK_BATCH}, {CHECK_NHEADS} heads")
@@ -518,6 +519,17 @@ def _case_options(variant) -> tuple[dict, dict]:
     slopes = np.linspace(0.05, 0.2, CHECK_NHEADS).astype(np.float32)
     options["softcap"] = CHECK_SOFTCAP
     return {**options, "alibi_slopes": cupy.asarray(slopes)}, {**options, "alibi_slopes": slopes.astype(np.float64)}
+
+
+def _serves(family, variant, info) -> bool:
+    """Does `family` serve the check's problem of this forward variant's case on this device?"""
+    from .problem import AttentionOptions, Problem
+
+    options = dict(_MASK_CASES[variant.mask])
+    if variant.score_mod:
+        options["softcap"] = CHECK_SOFTCAP
+    problem = Problem.sketch(variant.head_dim, variant.dtype, AttentionOptions(**options))
+    return family.unsupported(problem, info) is None
 
 
 def _check_forward(variant, seqlen_q, seqlen_k, rng, backend):

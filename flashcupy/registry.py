@@ -53,9 +53,9 @@ class Family:
 
 
 def _family_classes() -> list:
-    from . import sm80, sm90_fwd
+    from . import sm80, sm90_bwd, sm90_fwd
 
-    return [sm90_fwd.Sm90Forward, sm80.Sm80Forward, sm80.Sm80Backward]
+    return [sm90_fwd.Sm90Forward, sm80.Sm80Forward, sm90_bwd.Sm90Backward, sm80.Sm80Backward]
 
 
 @functools.lru_cache(maxsize=None)

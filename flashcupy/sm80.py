@@ -373,37 +373,50 @@ class Sm80Backward(Family):
 
     def run(self, problem, device, dout, q, k, v, out, lse, dq, dk, dv):
         """dq, dk, dv written; returns D = rowsum(dO * O), laid out as the LSE."""
-        import cupy
+        variant = self.variant(problem, device)
 
-        p = problem
-        variant = self.variant(p, device)
-        # The row-wise kernels (preprocess, dQ convert, GQA sum) take rows as (batch, seqlen); a packed
-        # varlen batch is one sequence of all its rows.
-        rows_batch, rows_q, rows_k = (1, q.shape[0], k.shape[0]) if p.is_varlen else (
-            p.batch, p.max_seqlen_q, p.max_seqlen_k)
-        plans = plan_backward(variant, p.batch, p.nheads, p.max_seqlen_q, p.max_seqlen_k, p.nheads_k,
-                              rows_q=rows_batch * rows_q, rows_k=rows_batch * rows_k)
-        delta = cupy.empty(lse.shape, cupy.float32)
-        dq_accum = cupy.empty((*q.shape[:-1], p.head_dim), cupy.float32)
-        semaphore = cupy.zeros(plans.semaphores, cupy.int32) if p.options.deterministic else None
-        # Under GQA the main kernel writes dK, dV per query head; the group sum adds each group.
-        per_head_shape = (*k.shape[:-2], p.nheads, p.head_dim)
-        dk_heads = cupy.empty(per_head_shape, q.dtype) if p.is_gqa else dk
-        dv_heads = cupy.empty(per_head_shape, q.dtype) if p.is_gqa else dv
-        values = params.bwd_values(p, dout, q, k, v, out, lse, delta, dq_accum, dq, dk_heads, dv_heads, dk, dv,
-                                   semaphore, rows_batch, rows_q, rows_k)
-        args = (params.pack("BwdParams", values),)
+        def main(args, plans):
+            build.get_kernel(variant)(plans.main.grid, plans.main.block, args, shared_mem=plans.main.smem_bytes)
 
-        def launch(variant, plan):
-            build.get_kernel(variant)(plan.grid, plan.block, args, shared_mem=plan.smem_bytes)
+        return run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv)
 
-        helper = lambda kernel: BwdHelperVariant(kernel, p.head_dim, p.dtype)  # noqa: E731
-        launch(helper("flash_bwd_preprocess_kernel"), plans.preprocess)  # D, and dq_accum = 0
-        launch(variant, plans.main)                                       # dK, dV; dQ into dq_accum
-        launch(helper("flash_bwd_convert_dq_kernel"), plans.convert_dq)  # dQ = dq_accum * scale
-        if p.is_gqa:
-            launch(helper("flash_bwd_group_sum_kernel"), plans.group_sum)
-        return delta
+
+def run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv):
+    """A backward around a family's main kernel: the preprocess (D, dq_accum = 0), main((BwdParams
+    record,), plans) (dK, dV; dQ into dq_accum), the dQ conversion and, under GQA, the group sum;
+    dq, dk, dv written, D returned (laid out as the LSE). The helpers are this family's kernels."""
+    import cupy
+
+    p = problem
+    variant = bwd_variant(p.head_dim, p.dtype, p.band.mask, p.options.deterministic, device.capability,
+                          device.smem_per_block_optin, p.score_mod)
+    # The row-wise kernels (preprocess, dQ convert, GQA sum) take rows as (batch, seqlen); a packed
+    # varlen batch is one sequence of all its rows.
+    rows_batch, rows_q, rows_k = (1, q.shape[0], k.shape[0]) if p.is_varlen else (
+        p.batch, p.max_seqlen_q, p.max_seqlen_k)
+    plans = plan_backward(variant, p.batch, p.nheads, p.max_seqlen_q, p.max_seqlen_k, p.nheads_k,
+                          rows_q=rows_batch * rows_q, rows_k=rows_batch * rows_k)
+    delta = cupy.empty(lse.shape, cupy.float32)
+    dq_accum = cupy.empty((*q.shape[:-1], p.head_dim), cupy.float32)
+    semaphore = cupy.zeros(plans.semaphores, cupy.int32) if p.options.deterministic else None
+    # Under GQA the main kernel writes dK, dV per query head; the group sum adds each group.
+    per_head_shape = (*k.shape[:-2], p.nheads, p.head_dim)
+    dk_heads = cupy.empty(per_head_shape, q.dtype) if p.is_gqa else dk
+    dv_heads = cupy.empty(per_head_shape, q.dtype) if p.is_gqa else dv
+    values = params.bwd_values(p, dout, q, k, v, out, lse, delta, dq_accum, dq, dk_heads, dv_heads, dk, dv,
+                               semaphore, rows_batch, rows_q, rows_k)
+    args = (params.pack("BwdParams", values),)
+
+    def launch(kernel, plan):
+        helper = BwdHelperVariant(kernel, p.head_dim, p.dtype)
+        build.get_kernel(helper)(plan.grid, plan.block, args, shared_mem=plan.smem_bytes)
+
+    launch("flash_bwd_preprocess_kernel", plans.preprocess)  # D, and dq_accum = 0
+    main(args, plans)                                         # dK, dV; dQ into dq_accum
+    launch("flash_bwd_convert_dq_kernel", plans.convert_dq)  # dQ = dq_accum * scale
+    if p.is_gqa:
+        launch("flash_bwd_group_sum_kernel", plans.group_sum)
+    return delta
 
 
 def _ci_cases(family) -> list:

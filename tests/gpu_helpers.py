@@ -106,3 +106,18 @@ def check_grads_per_sequence(grads, refs, cu_seqlens_q, cu_seqlens_k, dtype_name
             assert not np.isnan(g[part]).any(), (label, b, name, "unwritten (poisoned) or NaN elements")
             err = grad_rel_err(g[part], r[part], dv_ref)
             assert err < GRAD_TOL[dtype_name], (label, f"sequence {b}", name, err)
+
+
+def skip_unless_served(direction, family_name, q, k, **options):
+    """Skip, saying why, when family `family_name` of `direction` ("fwd", "bwd") does not serve the
+    padded problem of q, k with these options on this GPU."""
+    from flashcupy import registry
+    from flashcupy.device import device_info
+    from flashcupy.problem import AttentionOptions, Problem
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    problem = Problem.sketch(head_dim, "bfloat16", AttentionOptions(**options), seqlen_q, nheads, k.shape[2], batch)
+    family = next(f for f in registry.families(direction) if f.name == family_name)
+    reason = family.unsupported(problem, device_info())
+    if reason is not None:
+        pytest.skip(f"{family_name}: {reason}")

@@ -8,14 +8,15 @@ import pickle
 
 import pytest
 
-from flashcupy import build, cli, configs, device, registry, sm80, sm90_fwd
+from flashcupy import build, cli, configs, device, registry, sm80, sm90_bwd, sm90_fwd
 from flashcupy.device import DeviceInfo
 from cli_helpers import FAKE_GPU, invoke, on_gpu
 
 # per Hopper device: fwd sm90 (4 head dims x 2 dtypes x 3 masks x score mods off/on) and sm80 (6 head
-# dims ...), bwd sm80 (144 main + 36 helpers)
+# dims ...), bwd sm90 (d=128) and sm80 (144 main + 36 helpers)
 FWD_KERNELS = 48 + 72
-ALL_KERNELS = FWD_KERNELS + 180
+BWD_KERNELS = 6 + 180  # sm90 (d=128 x 2 dtypes x 3 masks), sm80 main and helper kernels
+ALL_KERNELS = FWD_KERNELS + BWD_KERNELS
 
 
 @pytest.fixture
@@ -76,7 +77,8 @@ def test_variant_lists_are_the_families(capability):
     """Every family that runs on the capability, in dispatch order."""
     hopper = sm90_fwd.Sm90Forward().variants(90) if capability == 90 else []
     assert cli.fwd_variants(capability) == hopper + sm80.Sm80Forward().variants(capability)
-    assert cli.bwd_variants(capability) == sm80.Sm80Backward().variants(capability)
+    hopper = sm90_bwd.Sm90Backward().variants(90) if capability == 90 else []
+    assert cli.bwd_variants(capability) == hopper + sm80.Sm80Backward().variants(capability)
 
 
 def test_variant_lists_follow_the_devices_opt_in():
@@ -84,7 +86,8 @@ def test_variant_lists_follow_the_devices_opt_in():
     small = 99 * 1024
     sm80_part = [v for v in cli.fwd_variants(90, small) if isinstance(v, sm80.FwdVariant)]
     assert sm80_part == sm80.Sm80Forward().variants(86)
-    assert cli.bwd_variants(90, small) == sm80.Sm80Backward().variants(86)
+    assert [v for v in cli.bwd_variants(90, small) if not isinstance(v, sm90_bwd.Sm90BwdVariant)] == \
+        sm80.Sm80Backward().variants(86)
     assert sm80_part != sm80.Sm80Forward().variants(90)
     for v in sm80_part:
         assert v == sm80.fwd_variant(v.head_dim, v.dtype, v.mask, 90, small, v.score_mod)
@@ -232,7 +235,7 @@ class FakePool:
     (["--head-dims", "64", "--dtype", "bf16", "--direction", "fwd", "--score-mod", "off"], 3 + 3),
     (["--direction", "fwd"], FWD_KERNELS),
     ([], ALL_KERNELS),
-    (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 16 + 12),
+    (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 4 + 16 + 12),
     (["--dtype", "fp16", "--causal", "off", "--head-dims", "32", "--score-mod", "on"], 1 + 2 + 3),
 ])
 def test_compile_selects_variants(cache, fake_gpu, monkeypatch, args, count):
@@ -298,7 +301,7 @@ def test_info_counts_and_marks_cached_kernels(cache, fake_gpu):
     out = result.stdout
     assert f"kernel cache:         {cache} (" in out
     assert (f"compiled on disk:     3 of {ALL_KERNELS} flashcupy kernels this GPU can use "
-            f"(fwd 2 of {FWD_KERNELS}, bwd 1 of 180)") in out
+            f"(fwd 2 of {FWD_KERNELS}, bwd 1 of {BWD_KERNELS})") in out
     assert "`flashcupy compile` builds the rest" in out
     marked = [line.strip() for line in out.splitlines() if line.endswith("[on disk]")]
     assert marked == [f"{forward[2]}  [on disk]", f"{forward[5]}  [on disk]"]
@@ -393,4 +396,5 @@ def test_info_lists_the_families_and_who_serves_what(cache, fake_gpu):
         assert f"  {family.direction} {family.name:<8}{family.summary}" in out
     for head_dim in configs.SUPPORTED_HEAD_DIMS:
         fwd = "sm90" if head_dim in sm90_fwd.HEAD_DIMS else "sm80"
-        assert f"  d={head_dim:<4}plain: {fwd} / sm80  causal: {fwd} / sm80" in out
+        bwd = "sm90" if head_dim in sm90_bwd.HEAD_DIMS else "sm80"
+        assert f"  d={head_dim:<4}plain: {fwd} / {bwd}  causal: {fwd} / {bwd}" in out

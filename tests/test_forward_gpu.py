@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from gpu_helpers import REL_TOL, check_lse, poison_pool, randn, rel_err, requires_gpu, to_host64
+from gpu_helpers import REL_TOL, check_lse, poison_pool, randn, rel_err, requires_gpu, skip_unless_served, to_host64
 
 pytestmark = requires_gpu
 
@@ -22,17 +22,6 @@ def forward_family(request, monkeypatch):
     return request.param
 
 
-def skip_unless_served(family_name, q, k, **options):
-    from flashcupy import registry
-    from flashcupy.device import device_info
-    from flashcupy.problem import AttentionOptions, Problem
-
-    batch, seqlen_q, nheads, head_dim = q.shape
-    problem = Problem.sketch(head_dim, "bfloat16", AttentionOptions(**options), seqlen_q, nheads, k.shape[2], batch)
-    family = next(f for f in registry.families("fwd") if f.name == family_name)
-    reason = family.unsupported(problem, device_info())
-    if reason is not None:
-        pytest.skip(f"{family_name}: {reason}")
 UNEQUAL = [(17, 1000), (1000, 17), (128, 4099), (4099, 129)]
 
 
@@ -44,7 +33,7 @@ def run_and_check(q, k, v, causal, dtype_name, softmax_scale=None):
     import flashcupy
     from flashcupy.reference import attention_ref
 
-    skip_unless_served(os.environ["FLASHCUPY_BACKEND"], q, k, causal=causal)
+    skip_unless_served("fwd", os.environ["FLASHCUPY_BACKEND"], q, k, causal=causal)
     batch, seqlen_q, nheads, d = q.shape
     poison_pool(((batch, seqlen_q, nheads, d), q.dtype), ((batch, nheads, seqlen_q), cupy.float32))
     out, lse = flashcupy.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=True)

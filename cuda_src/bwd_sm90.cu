@@ -1,0 +1,286 @@
+// FlashAttention backward for Hopper (sm_90a): the FlashAttention-2 structure (one thread block per
+// key block, dK and dV in registers, dQ by float32 reductions) on TMA, mbarriers and wgmma, with a
+// producer warpgroup (FlashAttention-3, section 3.3 of its paper). The preprocess (D = rowsum(dO O),
+// dq_accum = 0), the dQ conversion and the GQA group sum are bwd.cu's kernels (flashcupy/sm90_bwd.py
+// launches them around this one).
+//
+// A block holds key block j (kBlockN = 64 per consumer warpgroup, keys on the wgmma's M) and walks
+// the q blocks i of kBlockM = 64 queries that see it:
+//   warpgroup 0, producer: one thread loads K_j, V_j once, then Q_i and dO_i of each q block into a
+//       ring of kStages (full / empty mbarriers), by TMA; kBlockM threads copy LSE_i and D_i;
+//   the others, consumers, 64 keys each, per q block:
+//       S^T = K_j Q_i^T, dP^T = V_j dO_i^T              // wgmma, all operands in shared memory
+//       P^T = exp2(S^T c - LSE_i log2 e), dS^T = P^T (dP^T - D_i)   // masked where needed
+//       dV_j += P^T dO_i, dK_j += dS^T Q_i              // wgmma, P^T and dS^T from registers
+//       dS^T -> shared memory (both warpgroups' keys); dQ_i += dS K_j, each warpgroup half the
+//       head dim (wgmma, both operands transposed in shared memory), float32 reductions into
+//       dq_accum
+//   then dK_j *= softmax_scale; dK_j, dV_j to memory.
+// Shared memory: K, V (kBlockN rows), kStages x (Q, dO) (kBlockM rows), each as 64-column chunks
+// with the 128-byte swizzle; dS^T ([kBlockN keys][kBlockM queries], 128-byte rows, the same
+// swizzle), kStages x (LSE_i log2 e, D_i), then the mbarriers.
+#include "sm90.cuh"
+#include "mask.cuh"
+#include "seqlens.cuh"
+#include "warp_mma.cuh"
+#include "params.cuh"
+
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
+struct Sm90BwdTraits {
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
+    static constexpr int kConsumerWGs = kBlockN / 64;
+    static constexpr int kThreads = 128 * (1 + kConsumerWGs), kConsumers = 128 * kConsumerWGs;
+    static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+    static constexpr int kChunk = 64, kChunks = kHeadDim / kChunk;
+    static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
+    static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // Q or dO, one stage
+    static constexpr int kOffV = kKVBytes;
+    static constexpr int kOffQ = 2 * kKVBytes;
+    static constexpr int kOffDO = kOffQ + kStages * kQBytes;
+    static constexpr int kOffDS = kOffDO + kStages * kQBytes;
+    static constexpr int kOffLse = kOffDS + kBlockN * kBlockM * 2;  // per stage LSE_i log2 e, then D_i
+    static constexpr int kOffBar = kOffLse + kStages * 2 * kBlockM * 4;
+    static constexpr int kBarriers = 1 + 2 * kStages;  // K and V full; per stage Q, dO, LSE, D full, empty
+    static constexpr int kStageLoaders = kBlockM;      // producer threads that copy a stage's LSE and D
+    static constexpr int kSmemBytes = kOffBar + kBarriers * 8 + 1024;
+    static_assert(kHeadDim == 128, "head dim 128 (each consumer warpgroup takes one 64-column chunk of dQ)");
+    static_assert(kBlockM == 64, "q blocks of 64: one 128-byte row of dS^T per key (and two copier warps)");
+    static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys");
+};
+
+// The kernel's one parameter: BwdParams and the tensor maps of q, k, v and dout (flashcupy/sm90_bwd.py).
+struct Sm90BwdArgs {
+    BwdParams p;
+    TmaDesc q, k, v, dout;
+};
+static_assert(sizeof(BwdParams) <= 512 && sizeof(Sm90BwdArgs) == 512 + 4 * 128,
+              "flashcupy/sm90_bwd.py lays the tensor maps at bytes 512, 640, 768 and 896");
+
+template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool Is_causal, bool Is_local, bool Is_bf16>
+__global__ void __launch_bounds__(128 * (1 + kBlockN / 64), 1)
+flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
+    using T = Sm90BwdTraits<kHeadDim, kBlockM, kBlockN, kStages>;
+    const BwdParams& p = args.p;
+    constexpr float kLog2e = 1.4426950408889634f;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 smem = (smem_u32(smem_raw) + 1023) & ~1023u;
+    const u32 sK = smem, sV = smem + T::kOffV, sQ = smem + T::kOffQ, sdO = smem + T::kOffDO, sdS = smem + T::kOffDS;
+    const u32 kv_full = smem + T::kOffBar;
+    auto q_full = [&](int s) { return kv_full + 8 * (1 + s); };
+    auto q_empty = [&](int s) { return kv_full + 8 * (1 + kStages + s); };
+    const int tid = threadIdx.x, warpgroup = tid / 128, lane = tid & 31;
+    if (tid == 0) {
+        mbar_init(kv_full, 1);
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(q_full(s), 1 + T::kStageLoaders);
+            mbar_init(q_empty(s), T::kConsumers);
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+
+    // Block (key block, head, batch), key blocks of a head adjacent.
+    const int num_n_blocks = (p.max_seqlen_k + kBlockN - 1) / kBlockN;
+    const int n_block = blockIdx.x % num_n_blocks, hb = blockIdx.x / num_n_blocks;
+    const int head = hb % p.nheads, batch = hb / p.nheads;
+    const SeqLens seq(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.max_seqlen_q, p.max_seqlen_k);
+    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
+    const int key0 = n_block * kBlockN;
+    if (key0 >= seqlen_k) return;  // varlen: past this sequence's end
+    const int band_offset = p.align_bottom_right ? seqlen_k - seqlen_q : 0;
+    const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, p.window_left, p.window_right};
+    const int m_block_min = mask.row_begin(key0) / kBlockM;
+    const int m_count = max(0, (mask.row_end(key0) + kBlockM - 1) / kBlockM - m_block_min);
+    const int tma_batch = p.cu_seqlens_q ? 0 : batch;  // a packed varlen tensor is one batch entry
+
+    if (warpgroup == 0) {  // ---- producer ----
+        regs_release<T::kProducerRegs>();
+        // Warps 1 and 2 copy LSE (in log2 units; +inf where P must be 0) and D, row r each; thread 0,
+        // in warp 0, issues the TMA loads (the copiers wait for stages to empty: not its warp).
+        const int r = tid - 32;
+        if (r >= 0 && r < T::kStageLoaders) {
+            const float* gLse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_start;
+            const float* gDelta = p.delta + batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_start;
+            for (int it = 0; it < m_count; ++it) {
+                const int s = it % kStages, q = (m_block_min + it) * kBlockM + r;
+                float* stage = reinterpret_cast<float*>(smem_raw + (smem - smem_u32(smem_raw)) + T::kOffLse) + s * 2 * kBlockM;
+                const float l = q < seqlen_q ? gLse[q] : FC_INF;  // past the queries: P = 0
+                const float d = q < seqlen_q ? gDelta[q] : 0.f;
+                mbar_wait(q_empty(s), ((it / kStages) & 1) ^ 1);
+                stage[r] = l == -FC_INF ? FC_INF : l * kLog2e;  // a row without keys: P = 0, not NaN
+                stage[kBlockM + r] = d;
+                mbar_arrive(q_full(s));
+            }
+        }
+        if (tid == 0) {
+            tma_prefetch_desc(&args.q);
+            tma_prefetch_desc(&args.k);
+            tma_prefetch_desc(&args.v);
+            tma_prefetch_desc(&args.dout);
+            const int kv_head = head / p.heads_per_kv_head, k_row = seq.k_start + key0;
+            mbar_arrive_expect_tx(kv_full, 2 * T::kKVBytes);
+#pragma unroll
+            for (int c = 0; c < T::kChunks; ++c) {
+                tma_load_4d(sK + c * kBlockN * 128, &args.k, kv_full, c * T::kChunk, k_row, kv_head, tma_batch);
+                tma_load_4d(sV + c * kBlockN * 128, &args.v, kv_full, c * T::kChunk, k_row, kv_head, tma_batch);
+            }
+            for (int it = 0; it < m_count; ++it) {
+                const int s = it % kStages, q_row = seq.q_start + (m_block_min + it) * kBlockM;
+                mbar_wait(q_empty(s), ((it / kStages) & 1) ^ 1);
+                mbar_arrive_expect_tx(q_full(s), 2 * T::kQBytes);
+#pragma unroll
+                for (int c = 0; c < T::kChunks; ++c) {
+                    tma_load_4d(sQ + s * T::kQBytes + c * kBlockM * 128, &args.q, q_full(s), c * T::kChunk, q_row, head,
+                                tma_batch);
+                    tma_load_4d(sdO + s * T::kQBytes + c * kBlockM * 128, &args.dout, q_full(s), c * T::kChunk, q_row,
+                                head, tma_batch);
+                }
+            }
+        }
+        return;
+    }
+
+    // ---- consumers ----
+    regs_claim<T::kConsumerRegs>();
+    const int consumer = warpgroup - 1, warp = (tid / 32) % 4, g = lane >> 2, t = lane & 3;
+    const int key_wg0 = 64 * consumer;                 // this warpgroup's first key in the block
+    const int key_w0 = key_wg0 + 16 * warp;            // this warp's first key (wgmma rows)
+    float acc_dk[kHeadDim / 2], acc_dv[kHeadDim / 2];  // 64 keys x kHeadDim per warpgroup
+#pragma unroll
+    for (int i = 0; i < kHeadDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+
+    const float* sLse = reinterpret_cast<const float*>(smem_raw + (smem - smem_u32(smem_raw)) + T::kOffLse);
+    const i64 dq_row0 = p.cu_seqlens_q ? i64(seq.q_start) : i64(batch) * p.max_seqlen_q;
+    const i64 dq_row_stride = i64(p.nheads) * kHeadDim;
+    float* gdQ = p.dq_accum + (dq_row0 * p.nheads + head) * kHeadDim;
+    // Descriptors: K-major K, V (this warpgroup's 64 rows), Q, dO: 64-column chunks kBlockN or kBlockM
+    // * 128 bytes apart, 16-column k steps 32 bytes apart; N-major dO, Q as the B of dV, dK (16
+    // queries 2048 bytes apart); MN-major dS (16 keys 2048 bytes apart) and K (this warpgroup's
+    // 64-column chunk) for dQ.
+    const u32 sK_wg = sK + key_wg0 * 128, sV_wg = sV + key_wg0 * 128;
+
+    mbar_wait(kv_full, 0);
+    for (int it = 0; it < m_count; ++it) {
+        const int s = it % kStages, m_block = m_block_min + it, q0 = m_block * kBlockM;
+        const u32 sQ_s = sQ + s * T::kQBytes, sdO_s = sdO + s * T::kQBytes;
+        float acc_s[1][kBlockM / 8][4], acc_dp[1][kBlockM / 8][4];  // S^T, dP^T: 64 keys x kBlockM queries
+        float(&s_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(acc_s);
+        float(&dp_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(acc_dp);
+        mbar_wait(q_full(s), (it / kStages) & 1);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+            const u32 chunk = ks / 4, col_bytes = (ks % 4) * 32;
+            Wgmma<kBlockM, Is_bf16>::ss(s_flat, gmma_desc(sK_wg + chunk * kBlockN * 128 + col_bytes, 16, 1024),
+                                        gmma_desc(sQ_s + chunk * kBlockM * 128 + col_bytes, 16, 1024), ks > 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+            const u32 chunk = ks / 4, col_bytes = (ks % 4) * 32;
+            Wgmma<kBlockM, Is_bf16>::ss(dp_flat, gmma_desc(sV_wg + chunk * kBlockN * 128 + col_bytes, 16, 1024),
+                                        gmma_desc(sdO_s + chunk * kBlockM * 128 + col_bytes, 16, 1024), ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(s_flat);
+        fence_regs(dp_flat);
+
+        // P^T and dS^T in place of S^T and dP^T; element e of tile nt is key key_w0 + g + 8 (e / 2),
+        // query q0 + 8 nt + 2 t + e % 2.
+        const bool needs_mask = q0 + kBlockM > seqlen_q || key0 + kBlockN > seqlen_k ||
+                                ((Is_causal || Is_local) && mask.tile_needs_mask(q0, n_block));
+        const float* lse_s = sLse + s * 2 * kBlockM;  // this stage's LSE_i log2 e, then D_i
+#pragma unroll
+        for (int nt = 0; nt < kBlockM / 8; ++nt) {
+            // the two queries of a thread in a tile are adjacent: one float2 of each
+            const float2 lse2 = *reinterpret_cast<const float2*>(lse_s + 8 * nt + 2 * t);
+            const float2 dsum = *reinterpret_cast<const float2*>(lse_s + kBlockM + 8 * nt + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int e1 = e % 2;
+                float pr = fast_exp2(acc_s[0][nt][e] * p.scale_log2 - (e1 ? lse2.y : lse2.x));
+                if (needs_mask) {
+                    const int key = key0 + key_w0 + g + 8 * (e / 2), q = q0 + 8 * nt + 2 * t + e1;
+                    if (key >= seqlen_k || q >= seqlen_q || mask.hidden(q, key)) pr = 0.f;
+                }
+                acc_dp[0][nt][e] = pr * (acc_dp[0][nt][e] - (e1 ? dsum.y : dsum.x));
+                acc_s[0][nt][e] = pr;
+            }
+        }
+        u32 a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+            acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
+            acc_to_a_frag<Is_bf16>(acc_dp[0][2 * kk], acc_dp[0][2 * kk + 1], a_ds[kk]);
+        }
+        // dV += P^T dO_i, dK += dS^T Q_i
+        fence_regs(acc_dv);
+        fence_regs(acc_dk);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk)
+            Wgmma<kHeadDim, Is_bf16>::rs(acc_dv, a_p[kk], gmma_desc(sdO_s + kk * 2048, kBlockM * 128, 1024));
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk)
+            Wgmma<kHeadDim, Is_bf16>::rs(acc_dk, a_ds[kk], gmma_desc(sQ_s + kk * 2048, kBlockM * 128, 1024));
+        wgmma_commit();
+
+        // dS^T to shared memory: row key (128 bytes), 16-byte unit nt swizzled with the row's low
+        // three bits. Both warpgroups first finish the last q block's dQ, which read it.
+        named_bar_sync(1, T::kConsumers);
+#pragma unroll
+        for (int nt = 0; nt < kBlockM / 8; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = key_w0 + g + 8 * h;
+                st_shared_u32(sdS + row * 128 + ((nt ^ (row & 7)) << 4) + 4 * t,
+                              pack_f32x2<Is_bf16>(acc_dp[0][nt][2 * h], acc_dp[0][nt][2 * h + 1]));
+            }
+        fence_proxy_async_shared();  // visible to the wgmma (async proxy)
+        named_bar_sync(2, T::kConsumers);
+        wgmma_wait<0>();  // dV, dK done: a_p, a_ds free, Q_i and dO_i no longer read by them
+        fence_regs(acc_dv);
+        fence_regs(acc_dk);
+
+        // dQ_i (kBlockM queries x this warpgroup's 64 columns) = dS (queries x kBlockN keys) K_j
+        float acc_dq[32];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
+            Wgmma<64, Is_bf16>::ss_tt(acc_dq, gmma_desc(sdS + kk * 2048, kBlockN * 128, 1024),
+                                      gmma_desc(sK + consumer * kBlockN * 128 + kk * 2048, kBlockN * 128, 1024), kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_regs(acc_dq);
+        mbar_arrive(q_empty(s));  // Q_i, dO_i consumed
+        // rows 16 warp + g + 8 h (queries), columns 64 consumer + 8 nt + 2 t + e1
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int q = q0 + 16 * warp + g + 8 * h;
+            if (q < seqlen_q) {
+                float* row = gdQ + q * dq_row_stride + 64 * consumer + 2 * t;
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt)
+                    red_add_f32x2(row + 8 * nt, acc_dq[4 * nt + 2 * h], acc_dq[4 * nt + 2 * h + 1]);
+            }
+        }
+    }
+
+    // dK *= softmax_scale; rows key_w0 + g + 8 h, columns 8 dt + 2 t + e1
+    u16* gdK = p.dk + batch * p.dk_batch_stride + head * p.dk_head_stride + i64(seq.k_start) * p.dk_row_stride;
+    u16* gdV = p.dv + batch * p.dv_batch_stride + head * p.dv_head_stride + i64(seq.k_start) * p.dv_row_stride;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int key = key0 + key_w0 + g + 8 * h;
+        if (key < seqlen_k) {
+#pragma unroll
+            for (int dt = 0; dt < kHeadDim / 8; ++dt) {
+                *reinterpret_cast<u32*>(gdK + key * p.dk_row_stride + 8 * dt + 2 * t) =
+                    pack_f32x2<Is_bf16>(acc_dk[4 * dt + 2 * h] * p.softmax_scale, acc_dk[4 * dt + 2 * h + 1] * p.softmax_scale);
+                *reinterpret_cast<u32*>(gdV + key * p.dv_row_stride + 8 * dt + 2 * t) =
+                    pack_f32x2<Is_bf16>(acc_dv[4 * dt + 2 * h], acc_dv[4 * dt + 2 * h + 1]);
+            }
+        }
+    }
+}

@@ -1,0 +1,129 @@
+"""The sm90 backward family: the FlashAttention-2 backward on Hopper's TMA, mbarriers and wgmma, with
+a producer warpgroup (cuda_src/bwd_sm90.cu), compiled by NVRTC for sm_90a. The preprocess, the dQ
+conversion and the GQA group sum are the sm80 family's kernels (sm80.run_backward).
+
+It serves head dim 128 on compute capability 9.0, with masks, GQA and varlen; score mods
+(softcap, ALiBi) and the deterministic mode stay with the sm80 family, and `unsupported` says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import build, params, sm80
+from .configs import cpp_bool, mask_flags
+from .launch import LaunchPlan, grid_blocks
+from .registry import Family
+from .sm90_fwd import ARCH, NVRTC_OPTIONS, TMA_BYTES, _bindings_missing, _map_of
+
+HEAD_DIMS = (128,)
+BLOCK_M = 64    # queries per step: one 128-byte row of dS^T per key
+BLOCK_N = 128   # keys per thread block: two consumer warpgroups of 64
+STAGES = 2      # Q, dO stages
+THREADS = 128 * (1 + BLOCK_N // 64)
+ARGS_TMA_OFFSET = 512  # Sm90BwdArgs: BwdParams, then the q, k, v, dout tensor maps
+
+
+def smem_bytes(head_dim: int) -> int:
+    """K, V, stages x (Q, dO), dS^T, stages x (LSE, D), the mbarriers, 1024 bytes of alignment
+    (Sm90BwdTraits)."""
+    return (2 * BLOCK_N * head_dim * 2 + 2 * STAGES * BLOCK_M * head_dim * 2 + BLOCK_N * BLOCK_M * 2
+            + STAGES * 2 * BLOCK_M * 4 + (1 + 2 * STAGES) * 8 + 1024)
+
+
+@dataclass(frozen=True)
+class Sm90BwdVariant:
+    head_dim: int
+    mask: str   # one of configs.MASKS
+    dtype: str
+
+    source = "bwd_sm90.cu"
+    nvrtc_options = NVRTC_OPTIONS + (f"-arch={ARCH}",)
+
+    @property
+    def name_expression(self) -> str:
+        return (f"flash_bwd_sm90_kernel<{self.head_dim}, {BLOCK_M}, {BLOCK_N}, {STAGES}, {mask_flags(self.mask)}, "
+                f"{cpp_bool(self.dtype == 'bfloat16')}>")
+
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes(self.head_dim)
+
+    @property
+    def layout_check(self) -> str:
+        return build.smem_check(f"Sm90BwdTraits<{self.head_dim}, {BLOCK_M}, {BLOCK_N}, {STAGES}>", self)
+
+    def __str__(self) -> str:
+        return f"bwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask} tile={BLOCK_M}x{BLOCK_N} stages={STAGES}"
+
+
+def variant(head_dim: int, dtype: str, mask: str) -> Sm90BwdVariant:
+    mask_flags(mask)  # validates
+    return Sm90BwdVariant(head_dim, mask, dtype)
+
+
+_BWD_BYTES = params.record_dtype("BwdParams").itemsize
+
+
+def pack_args(bwd_record: bytes, maps) -> np.void:
+    """Sm90BwdArgs: the BwdParams record, then the q, k, v, dout tensor maps."""
+    raw = bytearray(ARGS_TMA_OFFSET + 4 * TMA_BYTES)
+    raw[:_BWD_BYTES] = bwd_record
+    for i, m in enumerate(maps):
+        raw[ARGS_TMA_OFFSET + i * TMA_BYTES:ARGS_TMA_OFFSET + (i + 1) * TMA_BYTES] = m
+    return np.frombuffer(bytes(raw), np.dtype((np.void, len(raw))))[0]
+
+
+class Sm90Backward(Family):
+    name = "sm90"
+    direction = "bwd"
+    archs = (ARCH,)
+    summary = "FlashAttention-2 backward on TMA, wgmma and a producer warpgroup (cuda_src/bwd_sm90.cu)"
+
+    def runs_on(self, capability):
+        return capability == 90
+
+    def unsupported(self, problem, device):
+        if device.capability != 90:
+            return f"Hopper (compute capability 9.0) only; this GPU has {device.capability // 10}.{device.capability % 10}"
+        if problem.head_dim not in HEAD_DIMS:
+            return f"head dim {problem.head_dim} is not one of {HEAD_DIMS}"
+        if problem.score_mod:
+            return "softcap and ALiBi gradients are the sm80 family's"
+        if problem.options.deterministic:
+            return "the deterministic mode is the sm80 family's"
+        if problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0:
+            return "empty sequences"
+        if smem_bytes(problem.head_dim) > device.smem_per_block_optin:
+            return "its tiles need more shared memory than this GPU grants a block"
+        return _bindings_missing()
+
+    def variant(self, problem, device) -> Sm90BwdVariant:
+        return variant(problem.head_dim, problem.dtype, problem.band.mask)
+
+    def variants(self, capability, smem_optin=None, head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"),
+                 masks=("none", "causal", "local"), score_mods=(False, True), deterministic=(False, True)) -> list:
+        # score mods and the deterministic mode are not served: only their "off" choice has variants
+        if not self.runs_on(capability) or False not in score_mods or False not in deterministic:
+            return []
+        return [variant(d, dt, m) for d in head_dims if d in HEAD_DIMS for dt in dtypes for m in masks]
+
+    def ci_cases(self) -> list:
+        return [(v, ARCH) for v in self.variants(90)]
+
+    def run(self, problem, device, dout, q, k, v, out, lse, dq, dk, dv):
+        """dq, dk, dv written; returns D = rowsum(dO * O), laid out as the LSE."""
+        var = self.variant(problem, device)
+        blocks = grid_blocks(-(-problem.max_seqlen_k // BLOCK_N) * problem.nheads * problem.batch,
+                             "the backward's key blocks")
+        plan = LaunchPlan((blocks, 1, 1), (THREADS, 1, 1), var.smem_bytes)
+        maps = (_map_of(q, problem.dtype, BLOCK_M), _map_of(k, problem.dtype, BLOCK_N),
+                _map_of(v, problem.dtype, BLOCK_N), _map_of(dout, problem.dtype, BLOCK_M))
+
+        def main(args, plans):
+            kernel_args = pack_args(args[0].tobytes(), maps)
+            build.get_kernel(var)(plan.grid, plan.block, (kernel_args,), shared_mem=plan.smem_bytes)
+
+        return sm80.run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv)
