@@ -12,9 +12,9 @@
 //       S^T = K_j Q_i^T, dP^T = V_j dO_i^T              // wgmma, all operands in shared memory
 //       P^T = exp2(S^T c - LSE_i log2 e), dS^T = P^T (dP^T - D_i)   // masked where needed
 //       dV_j += P^T dO_i, dK_j += dS^T Q_i              // wgmma, P^T and dS^T from registers
-//       dS^T -> shared memory (both warpgroups' keys); dQ_i += dS K_j, each warpgroup half the
-//       head dim (wgmma, both operands transposed in shared memory), float32 reductions into
-//       dq_accum
+//       dS^T -> shared memory; dQ_i += dS K_j (wgmma, both operands transposed in shared memory),
+//       each warpgroup 64 columns over the block's keys (d = 128) or every column over its own
+//       keys (d = 64), float32 reductions into dq_accum
 //   then dK_j *= softmax_scale; dK_j, dV_j to memory.
 // Shared memory: K, V (kBlockN rows), kStages x (Q, dO) (kBlockM rows), each as 64-column chunks
 // with the 128-byte swizzle; dS^T ([kBlockN keys][kBlockM queries], 128-byte rows, the same
@@ -31,6 +31,11 @@ struct Sm90BwdTraits {
     static constexpr int kConsumerWGs = kBlockN / 64;
     static constexpr int kThreads = 128 * (1 + kConsumerWGs), kConsumers = 128 * kConsumerWGs;
     static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+    // setmaxnreg moves registers within the block's allocation (65536 / kThreads at launch, in 8s):
+    // what the producer gives up must cover what the consumers take, or they wait forever.
+    static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+    static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * kConsumers,
+                  "register reallocation: the consumers would wait for registers the producer does not free");
     static constexpr int kChunk = 64, kChunks = kHeadDim / kChunk;
     static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
     static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // Q or dO, one stage
@@ -43,7 +48,10 @@ struct Sm90BwdTraits {
     static constexpr int kBarriers = 1 + 2 * kStages;  // K and V full; per stage Q, dO, LSE, D full, empty
     static constexpr int kStageLoaders = kBlockM;      // producer threads that copy a stage's LSE and D
     static constexpr int kSmemBytes = kOffBar + kBarriers * 8 + 1024;
-    static_assert(kHeadDim == 128, "head dim 128 (each consumer warpgroup takes one 64-column chunk of dQ)");
+    // dQ_i per warpgroup: at d = 128 one 64-column chunk over all keys of the block; at d = 64 all
+    // columns over its own 64 keys (the two partial sums both go to dq_accum).
+    static constexpr bool kDQOwnKeys = kHeadDim == 64;
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 (dQ: 64 x 64 per warpgroup)");
     static_assert(kBlockM == 64, "q blocks of 64: one 128-byte row of dS^T per key (and two copier warps)");
     static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys");
 };
@@ -227,8 +235,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         wgmma_commit();
 
         // dS^T to shared memory: row key (128 bytes), 16-byte unit nt swizzled with the row's low
-        // three bits. Both warpgroups first finish the last q block's dQ, which read it.
-        named_bar_sync(1, T::kConsumers);
+        // three bits. The warpgroups that read it (both, or this one) first finish the last q
+        // block's dQ.
+        const int ds_bar = T::kDQOwnKeys ? 1 + consumer : 1, ds_threads = T::kDQOwnKeys ? 128 : T::kConsumers;
+        named_bar_sync(ds_bar, ds_threads);
 #pragma unroll
         for (int nt = 0; nt < kBlockM / 8; ++nt)
 #pragma unroll
@@ -238,28 +248,32 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
                               pack_f32x2<Is_bf16>(acc_dp[0][nt][2 * h], acc_dp[0][nt][2 * h + 1]));
             }
         fence_proxy_async_shared();  // visible to the wgmma (async proxy)
-        named_bar_sync(2, T::kConsumers);
+        named_bar_sync(ds_bar, ds_threads);
         wgmma_wait<0>();  // dV, dK done: a_p, a_ds free, Q_i and dO_i no longer read by them
         fence_regs(acc_dv);
         fence_regs(acc_dk);
 
-        // dQ_i (kBlockM queries x this warpgroup's 64 columns) = dS (queries x kBlockN keys) K_j
+        // dQ_i (kBlockM queries x 64 columns) = dS (queries x keys) K (keys x columns)
+        constexpr int kDQKeys = T::kDQOwnKeys ? 64 : kBlockN;
+        const u32 sdS_dq = T::kDQOwnKeys ? sdS + key_wg0 * 128 : sdS;
+        const u32 sK_dq = T::kDQOwnKeys ? sK + key_wg0 * 128 : sK + consumer * kBlockN * 128;
+        const int dq_col0 = T::kDQOwnKeys ? 0 : 64 * consumer;
         float acc_dq[32];
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-            Wgmma<64, Is_bf16>::ss_tt(acc_dq, gmma_desc(sdS + kk * 2048, kBlockN * 128, 1024),
-                                      gmma_desc(sK + consumer * kBlockN * 128 + kk * 2048, kBlockN * 128, 1024), kk > 0);
+        for (int kk = 0; kk < kDQKeys / 16; ++kk)
+            Wgmma<64, Is_bf16>::ss_tt(acc_dq, gmma_desc(sdS_dq + kk * 2048, kBlockN * 128, 1024),
+                                      gmma_desc(sK_dq + kk * 2048, kBlockN * 128, 1024), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(acc_dq);
         mbar_arrive(q_empty(s));  // Q_i, dO_i consumed
-        // rows 16 warp + g + 8 h (queries), columns 64 consumer + 8 nt + 2 t + e1
+        // rows 16 warp + g + 8 h (queries), columns dq_col0 + 8 nt + 2 t + e1
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int q = q0 + 16 * warp + g + 8 * h;
             if (q < seqlen_q) {
-                float* row = gdQ + q * dq_row_stride + 64 * consumer + 2 * t;
+                float* row = gdQ + q * dq_row_stride + dq_col0 + 2 * t;
 #pragma unroll
                 for (int nt = 0; nt < 8; ++nt)
                     red_add_f32x2(row + 8 * nt, acc_dq[4 * nt + 2 * h], acc_dq[4 * nt + 2 * h + 1]);

@@ -49,6 +49,11 @@ struct Sm90FwdTraits {
     // (64K registers per SM among kThreads threads).
     static constexpr int kProducerRegs = kConsumerWGs == 2 ? 24 : 32;
     static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+    // setmaxnreg moves registers within the block's allocation (65536 / kThreads at launch, in 8s):
+    // what the producer gives up must cover what the consumers take, or they wait forever.
+    static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+    static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * kConsumers,
+                  "register reallocation: the consumers would wait for registers the producer does not free");
 
     static constexpr int kChunk = 64;              // head-dim columns per 128-byte swizzle atom
     static constexpr int kChunks = kHeadDim / kChunk;

@@ -2,7 +2,7 @@
 a producer warpgroup (cuda_src/bwd_sm90.cu), compiled by NVRTC for sm_90a. The preprocess, the dQ
 conversion and the GQA group sum are the sm80 family's kernels (sm80.run_backward).
 
-It serves head dim 128 on compute capability 9.0, with masks, GQA and varlen; score mods
+It serves head dims 64 and 128 on compute capability 9.0, with masks, GQA and varlen; score mods
 (softcap, ALiBi) and the deterministic mode stay with the sm80 family, and `unsupported` says so.
 """
 
@@ -18,7 +18,7 @@ from .launch import LaunchPlan, grid_blocks
 from .registry import Family
 from .sm90_fwd import ARCH, NVRTC_OPTIONS, TMA_BYTES, _bindings_missing, _map_of
 
-HEAD_DIMS = (128,)
+HEAD_DIMS = (64, 128)
 BLOCK_M = 64    # queries per step: one 128-byte row of dS^T per key
 BLOCK_N = 128   # keys per thread block: two consumer warpgroups of 64
 STAGES = 2      # Q, dO stages

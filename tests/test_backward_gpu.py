@@ -22,11 +22,6 @@ SEQLENS = [1, 17, 128, 1000, 2049]
 UNEQUAL = [(17, 1000), (1000, 17), (128, 2049), (2049, 129)]
 
 
-def served_head_dim(family):
-    """A head dim the family serves (the sm90 backward serves 128 alone)."""
-    return 128 if family == "sm90" else 64
-
-
 def run_backward(q, k, v, causal, dtype_name, deterministic=False, softmax_scale=None, grads_out=None):
     import os
 
@@ -91,10 +86,10 @@ def test_other_head_dims(head_dim, causal):
     run_backward(q, k, v, causal, "bfloat16")
 
 
-def test_large_batch_heads_and_scale(backward_family):
+def test_large_batch_heads_and_scale():
     """batch x heads (320) beyond twice the SM count, ragged length, a given scale."""
     rng = np.random.default_rng(8)
-    shape = (8, 130, 40, served_head_dim(backward_family))
+    shape = (8, 130, 40, 64)
     q, k, v = (randn(rng, shape, "float16") for _ in range(3))
     run_backward(q, k, v, True, "float16", softmax_scale=0.3)
 
@@ -139,14 +134,14 @@ def test_deterministic_gives_identical_bits(causal):
             assert cupy.array_equal(a.view(cupy.uint16), b.view(cupy.uint16))
 
 
-def test_handle_round_trip(backward_family):
+def test_handle_round_trip():
     import cupy
 
     import flashcupy
     from flashcupy.reference import attention_bwd_ref, attention_ref
 
     rng = np.random.default_rng(21)
-    q, k, v = (randn(rng, (2, 333, 4, served_head_dim(backward_family)), "float16") for _ in range(3))
+    q, k, v = (randn(rng, (2, 333, 4, 64), "float16") for _ in range(3))
     attn = flashcupy.FlashAttention(causal=True)
     out = attn.forward(q, k, v)
     ref_out, _ = attention_ref(to_host64(q), to_host64(k), to_host64(v), causal=True)
@@ -182,14 +177,14 @@ def test_backward_validation_names_arguments():
         flashcupy.flash_attn_backward(np.zeros(q.shape, np.float16), q, k, v, out, lse)
 
 
-def test_memory_is_linear_in_seqlen(backward_family):
+def test_memory_is_linear_in_seqlen():
     """A backward at seqlen 65536 allocates O(seqlen): D, the dq accumulator and the gradients."""
     import cupy
 
     import flashcupy
 
     rng = np.random.default_rng(19)
-    shape = (1, 65536, 1, served_head_dim(backward_family))
+    shape = (1, 65536, 1, 64)
     q, k, v, dout = (randn(rng, shape, "bfloat16") for _ in range(4))
     out, lse = flashcupy.flash_attn_func(q, k, v, causal=True, return_lse=True)
     pool = cupy.get_default_memory_pool()

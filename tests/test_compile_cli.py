@@ -13,9 +13,9 @@ from flashcupy.device import DeviceInfo
 from cli_helpers import FAKE_GPU, invoke, on_gpu
 
 # per Hopper device: fwd sm90 (4 head dims x 2 dtypes x 3 masks x score mods off/on) and sm80 (6 head
-# dims ...), bwd sm90 (d=128) and sm80 (144 main + 36 helpers)
+# dims ...), bwd sm90 (d=64, 128) and sm80 (144 main + 36 helpers)
 FWD_KERNELS = 48 + 72
-BWD_KERNELS = 6 + 180  # sm90 (d=128 x 2 dtypes x 3 masks), sm80 main and helper kernels
+BWD_KERNELS = 12 + 180  # sm90 (d=64, 128 x 2 dtypes x 3 masks), sm80 main and helper kernels
 ALL_KERNELS = FWD_KERNELS + BWD_KERNELS
 
 
@@ -103,7 +103,7 @@ def test_variant_lists_filter():
     bwd = cli.bwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), masks=("causal",), deterministic=(False,),
                            score_mods=(False,))
     assert [v.name_expression.split("<")[0] for v in bwd] == [
-        "flash_bwd_kernel", *sm80.BWD_HELPER_KERNELS]
+        "flash_bwd_sm90_kernel", "flash_bwd_kernel", *sm80.BWD_HELPER_KERNELS]
 
 
 def test_variants_pickle():
@@ -235,7 +235,7 @@ class FakePool:
     (["--head-dims", "64", "--dtype", "bf16", "--direction", "fwd", "--score-mod", "off"], 3 + 3),
     (["--direction", "fwd"], FWD_KERNELS),
     ([], ALL_KERNELS),
-    (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 4 + 16 + 12),
+    (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 8 + 16 + 12),
     (["--dtype", "fp16", "--causal", "off", "--head-dims", "32", "--score-mod", "on"], 1 + 2 + 3),
 ])
 def test_compile_selects_variants(cache, fake_gpu, monkeypatch, args, count):
