@@ -30,6 +30,11 @@ class Family:
         """None when this family computes `problem` on `device` (a DeviceInfo), else the reason."""
         raise NotImplementedError
 
+    def passes_over(self, problem, device) -> str | None:
+        """None when the dispatcher takes this family for a problem it serves; else why it leaves it
+        to the families after it (measured slower there). backend= still runs it."""
+        return None
+
     def variant(self, problem, device):
         """The kernel variant (tiles included) this family launches for `problem` on `device`."""
         raise NotImplementedError
@@ -74,7 +79,8 @@ def family_names(direction: str | None = None) -> list:
 
 def select(direction: str, problem, device, backend: str | None = None, source: str = "backend=") -> Family:
     """The family that computes `problem`: the one named `backend` (an error if it does not serve the
-    problem), else the first that serves it. `source` names where `backend` came from, for errors."""
+    problem), else the first that serves it and does not pass it over (the last that serves it, if
+    all do). `source` names where `backend` came from, for errors."""
     candidates = families(direction)
     if backend is not None:
         named = [f for f in candidates if f.name == backend]
@@ -85,10 +91,15 @@ def select(direction: str, problem, device, backend: str | None = None, source: 
         if reason is not None:
             raise ValueError(f"{source} {backend!r} cannot compute this {direction}: {reason}")
         return named[0]
-    reasons = []
+    reasons, serving = [], []
     for family in candidates:
         reason = family.unsupported(problem, device)
         if reason is None:
-            return family
-        reasons.append(f"{family.name}: {reason}")
+            if family.passes_over(problem, device) is None:
+                return family
+            serving.append(family)
+        else:
+            reasons.append(f"{family.name}: {reason}")
+    if serving:
+        return serving[-1]
     raise ValueError(f"no {direction} kernel family serves this problem on {device.name} ({'; '.join(reasons)})")

@@ -4,6 +4,8 @@ conversion and the GQA group sum are the sm80 family's kernels (sm80.run_backwar
 
 It serves head dims 64 and 128 on compute capability 9.0, with masks, GQA and varlen; score mods
 (softcap, ALiBi) and the deterministic mode stay with the sm80 family, and `unsupported` says so.
+The dispatcher takes it at head dim 128, where it is faster (`passes_over`); backend="sm90" runs it
+at 64 too.
 """
 
 from __future__ import annotations
@@ -99,6 +101,11 @@ class Sm90Backward(Family):
         if smem_bytes(problem.head_dim) > device.smem_per_block_optin:
             return "its tiles need more shared memory than this GPU grants a block"
         return _bindings_missing()
+
+    def passes_over(self, problem, device):
+        if problem.head_dim != 128:
+            return "the sm80 backward measured as fast at this head dim (docs/PERF_NOTES.md)"
+        return None
 
     def variant(self, problem, device) -> Sm90BwdVariant:
         return variant(problem.head_dim, problem.dtype, problem.band.mask)
