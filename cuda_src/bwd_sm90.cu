@@ -174,22 +174,20 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         float acc_s[1][kBlockM / 8][4], acc_dp[1][kBlockM / 8][4];  // S^T, dP^T: 64 keys x kBlockM queries
         float(&s_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(acc_s);
         float(&dp_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(acc_dp);
+        // acc = A B^T over the head dim, A this warpgroup's 64 rows of K or V, B kBlockM rows of Q or dO
+        auto issue_ss = [&](float (&acc)[kBlockM / 2], u32 sA, u32 sB) {
+#pragma unroll
+            for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+                const u32 chunk = ks / 4, col_bytes = (ks % 4) * 32;
+                Wgmma<kBlockM, Is_bf16>::ss(acc, gmma_desc(sA + chunk * kBlockN * 128 + col_bytes, 16, 1024),
+                                            gmma_desc(sB + chunk * kBlockM * 128 + col_bytes, 16, 1024), ks > 0);
+            }
+            wgmma_commit();
+        };
         mbar_wait(q_full(s), (it / kStages) & 1);
         wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-            const u32 chunk = ks / 4, col_bytes = (ks % 4) * 32;
-            Wgmma<kBlockM, Is_bf16>::ss(s_flat, gmma_desc(sK_wg + chunk * kBlockN * 128 + col_bytes, 16, 1024),
-                                        gmma_desc(sQ_s + chunk * kBlockM * 128 + col_bytes, 16, 1024), ks > 0);
-        }
-        wgmma_commit();
-#pragma unroll
-        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-            const u32 chunk = ks / 4, col_bytes = (ks % 4) * 32;
-            Wgmma<kBlockM, Is_bf16>::ss(dp_flat, gmma_desc(sV_wg + chunk * kBlockN * 128 + col_bytes, 16, 1024),
-                                        gmma_desc(sdO_s + chunk * kBlockM * 128 + col_bytes, 16, 1024), ks > 0);
-        }
-        wgmma_commit();
+        issue_ss(s_flat, sK_wg, sQ_s);
+        issue_ss(dp_flat, sV_wg, sdO_s);
         wgmma_wait<0>();
         fence_regs(s_flat);
         fence_regs(dp_flat);

@@ -132,19 +132,12 @@ FC_DEVICE u64 gmma_desc_advance(u64 desc, u32 bytes) {
 #define FC_ACC96(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24), FC_ACC8(d, 32), FC_ACC8(d, 40), FC_ACC8(d, 48), FC_ACC8(d, 56), FC_ACC8(d, 64), FC_ACC8(d, 72), FC_ACC8(d, 80), FC_ACC8(d, 88)
 #define FC_ACC128(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24), FC_ACC8(d, 32), FC_ACC8(d, 40), FC_ACC8(d, 48), FC_ACC8(d, 56), FC_ACC8(d, 64), FC_ACC8(d, 72), FC_ACC8(d, 80), FC_ACC8(d, 88), FC_ACC8(d, 96), FC_ACC8(d, 104), FC_ACC8(d, 112), FC_ACC8(d, 120)
 
-// A and B in shared memory, both K-major (tnspA = tnspB = 0); scale_d = 0 overwrites D.
-// R: accumulator registers; DA, DB, SD: the operand numbers after them.
-#define FC_WGMMA_SS(N, R, T, DA, DB, SD)                                                                  \
+// A and B in shared memory; TR: "0, 0" both K-major, "1, 1" both MN-major (tnspA, tnspB);
+// scale_d = 0 overwrites D. R: accumulator registers; DA, DB, SD: the operand numbers after them.
+#define FC_WGMMA_SS(N, R, T, DA, DB, SD, TR)                                                              \
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %" #SD ", 0;\n"                                    \
                  " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." T "." T " " FC_REGS_##R ", %" #DA       \
-                 ", %" #DB ", p, 1, 1, 0, 0;\n}\n"                                                           \
-                 : FC_ACC##R(d)                                                                              \
-                 : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-// A and B in shared memory, both MN-major (tnspA = tnspB = 1); D accumulates (scale-d 1).
-#define FC_WGMMA_SS_TT(N, R, T, DA, DB, SD)                                                               \
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %" #SD ", 0;\n"                                    \
-                 " wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." T "." T " " FC_REGS_##R ", %" #DA       \
-                 ", %" #DB ", p, 1, 1, 1, 1;\n}\n"                                                           \
+                 ", %" #DB ", p, 1, 1, " TR ";\n}\n"                                                        \
                  : FC_ACC##R(d)                                                                              \
                  : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 // A from registers; B in shared memory, N-major (tnspB = 1); D accumulates (scale-d 1).
@@ -166,18 +159,18 @@ struct Wgmma {
         if constexpr (Is_bf16) MACRO(NN, R, "bf16", __VA_ARGS__); else MACRO(NN, R, "f16", __VA_ARGS__); \
     }
     static FC_DEVICE void ss(float (&d)[kRegs], u64 desc_a, u64 desc_b, int scale_d) {
-        FC_WGMMA_CASE(64, 32, FC_WGMMA_SS, 32, 33, 34)
-        FC_WGMMA_CASE(80, 40, FC_WGMMA_SS, 40, 41, 42)
-        FC_WGMMA_CASE(96, 48, FC_WGMMA_SS, 48, 49, 50)
-        FC_WGMMA_CASE(128, 64, FC_WGMMA_SS, 64, 65, 66)
-        FC_WGMMA_CASE(176, 88, FC_WGMMA_SS, 88, 89, 90)
-        FC_WGMMA_CASE(192, 96, FC_WGMMA_SS, 96, 97, 98)
-        FC_WGMMA_CASE(256, 128, FC_WGMMA_SS, 128, 129, 130)
+        FC_WGMMA_CASE(64, 32, FC_WGMMA_SS, 32, 33, 34, "0, 0")
+        FC_WGMMA_CASE(80, 40, FC_WGMMA_SS, 40, 41, 42, "0, 0")
+        FC_WGMMA_CASE(96, 48, FC_WGMMA_SS, 48, 49, 50, "0, 0")
+        FC_WGMMA_CASE(128, 64, FC_WGMMA_SS, 64, 65, 66, "0, 0")
+        FC_WGMMA_CASE(176, 88, FC_WGMMA_SS, 88, 89, 90, "0, 0")
+        FC_WGMMA_CASE(192, 96, FC_WGMMA_SS, 96, 97, 98, "0, 0")
+        FC_WGMMA_CASE(256, 128, FC_WGMMA_SS, 128, 129, 130, "0, 0")
     }
     // A MN-major (its M dimension contiguous), B N-major, both in shared memory
     static FC_DEVICE void ss_tt(float (&d)[kRegs], u64 desc_a, u64 desc_b, int scale_d) {
-        FC_WGMMA_CASE(32, 16, FC_WGMMA_SS_TT, 16, 17, 18)
-        FC_WGMMA_CASE(64, 32, FC_WGMMA_SS_TT, 32, 33, 34)
+        FC_WGMMA_CASE(32, 16, FC_WGMMA_SS, 16, 17, 18, "1, 1")
+        FC_WGMMA_CASE(64, 32, FC_WGMMA_SS, 32, 33, 34, "1, 1")
     }
     static FC_DEVICE void rs(float (&d)[kRegs], const u32 (&a)[4], u64 desc_b) {
         FC_WGMMA_CASE(64, 32, FC_WGMMA_RS, 36, 37)

@@ -18,7 +18,7 @@ from . import build, params, sm80
 from .configs import cpp_bool, mask_flags
 from .launch import LaunchPlan, grid_blocks
 from .registry import Family
-from .sm90_fwd import ARCH, NVRTC_OPTIONS, TMA_BYTES, _bindings_missing, _map_of
+from .sm90_fwd import ARCH, NVRTC_OPTIONS, TMA_BYTES, _map_of, hopper_unsupported
 
 HEAD_DIMS = (64, 128)
 BLOCK_M = 64    # queries per step: one 128-byte row of dS^T per key
@@ -88,19 +88,11 @@ class Sm90Backward(Family):
         return capability == 90
 
     def unsupported(self, problem, device):
-        if device.capability != 90:
-            return f"Hopper (compute capability 9.0) only; this GPU has {device.capability // 10}.{device.capability % 10}"
-        if problem.head_dim not in HEAD_DIMS:
-            return f"head dim {problem.head_dim} is not one of {HEAD_DIMS}"
         if problem.score_mod:
             return "softcap and ALiBi gradients are the sm80 family's"
         if problem.options.deterministic:
             return "the deterministic mode is the sm80 family's"
-        if problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0:
-            return "empty sequences"
-        if smem_bytes(problem.head_dim) > device.smem_per_block_optin:
-            return "its tiles need more shared memory than this GPU grants a block"
-        return _bindings_missing()
+        return hopper_unsupported(problem, device, HEAD_DIMS, lambda: smem_bytes(problem.head_dim))
 
     def passes_over(self, problem, device):
         if problem.head_dim != 128:

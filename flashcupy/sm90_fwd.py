@@ -215,6 +215,21 @@ def _bindings_missing() -> str | None:
     return None
 
 
+def hopper_unsupported(problem, device, head_dims, smem_bytes) -> str | None:
+    """Why a Hopper family does not serve `problem` on `device`, or None: the GPU, its head dims,
+    empty sequences, smem_bytes() (its tiles' shared memory, asked once the head dim is one of
+    its own), and cuda-bindings for the tensor maps."""
+    if device.capability != 90:
+        return f"Hopper (compute capability 9.0) only; this GPU has {device.capability // 10}.{device.capability % 10}"
+    if problem.head_dim not in head_dims:
+        return f"head dim {problem.head_dim} is not one of {head_dims}"
+    if problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0:
+        return "empty sequences"
+    if smem_bytes() > device.smem_per_block_optin:
+        return "its tiles need more shared memory than this GPU grants a block"
+    return _bindings_missing()
+
+
 class Sm90Forward(Family):
     name = "sm90"
     direction = "fwd"
@@ -225,15 +240,8 @@ class Sm90Forward(Family):
         return capability == 90
 
     def unsupported(self, problem, device):
-        if device.capability != 90:
-            return f"Hopper (compute capability 9.0) only; this GPU has {device.capability // 10}.{device.capability % 10}"
-        if problem.head_dim not in HEAD_DIMS:
-            return f"head dim {problem.head_dim} is not one of {HEAD_DIMS}"
-        if problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0:
-            return "empty sequences"
-        if variant(problem.head_dim, problem.dtype, problem.band.mask).smem_bytes > device.smem_per_block_optin:
-            return "its tiles need more shared memory than this GPU grants a block"
-        return _bindings_missing()
+        return hopper_unsupported(problem, device, HEAD_DIMS,
+                                  lambda: variant(problem.head_dim, problem.dtype, problem.band.mask).smem_bytes)
 
     def variant(self, problem, device) -> Sm90FwdVariant:
         return variant(problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod)
