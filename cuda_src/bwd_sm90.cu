@@ -4,10 +4,10 @@
 // dq_accum = 0), the dQ conversion and the GQA group sum are bwd.cu's kernels (flashcupy/sm90_bwd.py
 // launches them around this one).
 //
-// A block holds key block j (kBlockN = 64 per consumer warpgroup, keys on the wgmma's M) and walks
-// the q blocks i of kBlockM = 64 queries that see it:
+// A block holds key block j (kBlockN = 128 keys, 64 per consumer warpgroup, keys on the wgmma's M)
+// and walks the q blocks i of kBlockM = 64 queries that see it:
 //   warpgroup 0, producer: one thread loads K_j, V_j once, then Q_i and dO_i of each q block into a
-//       ring of kStages (full / empty mbarriers), by TMA; kBlockM threads copy LSE_i and D_i;
+//       ring of kStages (full / empty mbarriers), by TMA; two other warps copy LSE_i and D_i;
 //   the others, consumers, 64 keys each, per q block:
 //       S^T = K_j Q_i^T, dP^T = V_j dO_i^T              // wgmma, all operands in shared memory
 //       P^T = exp2(S^T c - LSE_i log2 e), dS^T = P^T (dP^T - D_i)   // masked where needed
@@ -163,8 +163,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
     float* gdQ = p.dq_accum + (dq_row0 * p.nheads + head) * kHeadDim;
     // Descriptors: K-major K, V (this warpgroup's 64 rows), Q, dO: 64-column chunks kBlockN or kBlockM
     // * 128 bytes apart, 16-column k steps 32 bytes apart; N-major dO, Q as the B of dV, dK (16
-    // queries 2048 bytes apart); MN-major dS (16 keys 2048 bytes apart) and K (this warpgroup's
-    // 64-column chunk) for dQ.
+    // queries 2048 bytes apart); MN-major dS (16 keys 2048 bytes apart) and K (a 64-column chunk)
+    // for dQ.
     const u32 sK_wg = sK + key_wg0 * 128, sV_wg = sV + key_wg0 * 128;
 
     mbar_wait(kv_full, 0);
