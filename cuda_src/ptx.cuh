@@ -97,16 +97,6 @@ FC_DEVICE float fast_log2(float x) {
 FC_DEVICE void red_add_f32(float* addr, float v) {
     asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(v) : "memory");
 }
-// Two adjacent floats (8-byte aligned); one vector reduction on sm90 (PTX ISA 8.1), two scalar ones
-// before.
-FC_DEVICE void red_add_f32x2(float* addr, float a, float b) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
-#else
-    red_add_f32(addr, a);
-    red_add_f32(addr + 1, b);
-#endif
-}
 // Four adjacent floats (16-byte aligned); one vector reduction on sm90 (PTX ISA 8.1), four scalar
 // ones before.
 FC_DEVICE void red_add_f32x4(float* addr, float4 v) {

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import build, params, sm80
+from . import build, sm80
 from .configs import cpp_bool, mask_flags
 from .launch import LaunchPlan, grid_blocks
 from .registry import Family
-from .sm90_fwd import ARCH, NVRTC_OPTIONS, TMA_BYTES, _map_of, hopper_unsupported
+from .sm90_fwd import ARCH, NVRTC_OPTIONS, _map_of, args_with_maps, hopper_unsupported
 
 HEAD_DIMS = (64, 128)
 BLOCK_M = 64    # queries per step: one 128-byte row of dS^T per key
@@ -66,16 +66,9 @@ def variant(head_dim: int, dtype: str, mask: str) -> Sm90BwdVariant:
     return Sm90BwdVariant(head_dim, mask, dtype)
 
 
-_BWD_BYTES = params.record_dtype("BwdParams").itemsize
-
-
 def pack_args(bwd_record: bytes, maps) -> np.void:
     """Sm90BwdArgs: the BwdParams record, then the q, k, v, dout tensor maps."""
-    raw = bytearray(ARGS_TMA_OFFSET + 4 * TMA_BYTES)
-    raw[:_BWD_BYTES] = bwd_record
-    for i, m in enumerate(maps):
-        raw[ARGS_TMA_OFFSET + i * TMA_BYTES:ARGS_TMA_OFFSET + (i + 1) * TMA_BYTES] = m
-    return np.frombuffer(bytes(raw), np.dtype((np.void, len(raw))))[0]
+    return args_with_maps(bwd_record, ARGS_TMA_OFFSET, maps)
 
 
 class Sm90Backward(Family):

@@ -146,23 +146,25 @@ def _map_of(array, dtype: str, box_rows: int) -> bytes:
     return tensor_map(array.data.ptr, dtype, shape, strides, box_rows)
 
 
+def args_with_maps(head: bytes, maps_offset: int, maps) -> np.void:
+    """A Hopper kernel's one argument: `head` (the parameter struct and what follows it), zeros up to
+    `maps_offset`, then the 128-byte tensor maps."""
+    raw = bytearray(maps_offset + len(maps) * TMA_BYTES)
+    raw[:len(head)] = head
+    for i, m in enumerate(maps):
+        raw[maps_offset + i * TMA_BYTES:maps_offset + (i + 1) * TMA_BYTES] = m
+    return np.frombuffer(bytes(raw), np.dtype((np.void, len(raw))))[0]
+
+
 _FWD_BYTES = params.record_dtype("FwdParams").itemsize
-_ARGS = struct.Struct(f"<{_FWD_BYTES}s i 4x Q {ARGS_TMA_OFFSET - _FWD_BYTES - 16}x")  # Sm90FwdArgs up to the maps
-_ARGS_DTYPE = np.dtype({"names": ["p", "section_heads", "tile_counter", "q", "k", "v"],
-                        "formats": [params.record_dtype("FwdParams"), "<i4", "<u8", "V128", "V128", "V128"],
-                        "offsets": [0, _FWD_BYTES, _FWD_BYTES + 8, ARGS_TMA_OFFSET, ARGS_TMA_OFFSET + TMA_BYTES,
-                                    ARGS_TMA_OFFSET + 2 * TMA_BYTES],
-                        "itemsize": ARGS_TMA_OFFSET + 3 * TMA_BYTES})
+_ARGS_HEAD = struct.Struct(f"<{_FWD_BYTES}s i 4x Q")  # Sm90FwdArgs up to the maps
 
 
 def pack_args(fwd_record: np.void, section_heads: int, tile_counter: int, maps) -> np.void:
     """Sm90FwdArgs: the FwdParams record, the tile order's section width, the tile counter's address
     (0: none), the q, k, v tensor maps."""
-    raw = bytearray(_ARGS_DTYPE.itemsize)
-    raw[:ARGS_TMA_OFFSET] = _ARGS.pack(fwd_record.tobytes(), int(section_heads), int(tile_counter))
-    for i, m in enumerate(maps):
-        raw[ARGS_TMA_OFFSET + i * TMA_BYTES:ARGS_TMA_OFFSET + (i + 1) * TMA_BYTES] = m
-    return np.frombuffer(bytes(raw), _ARGS_DTYPE)[0]
+    head = _ARGS_HEAD.pack(fwd_record.tobytes(), int(section_heads), int(tile_counter))
+    return args_with_maps(head, ARGS_TMA_OFFSET, maps)
 
 
 _COUNTERS: dict = {}

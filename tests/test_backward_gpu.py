@@ -197,6 +197,6 @@ def test_memory_is_linear_in_seqlen():
     grad_bytes = sum(g.nbytes for g in grads)
     accum_bytes = q.size * 4 + lse.nbytes  # float32 dq accumulator and D
     assert extra <= grad_bytes + accum_bytes + (1 << 20), f"{extra} extra bytes"
-    assert extra < 65536 * 65536 * 4 // 64  # far below an N x N float32 buffer
+    assert extra < 65536 * 65536 // 64  # far below any N x N buffer
     for g in grads:
         assert bool(cupy.isfinite(g.astype(cupy.float32)).all())
