@@ -1,24 +1,30 @@
 // FlashAttention backward for Hopper (sm_90a): the FlashAttention-2 structure (one thread block per
-// key block, dK and dV in registers, dQ by float32 reductions) on TMA, mbarriers and wgmma, with a
-// producer warpgroup (FlashAttention-3, section 3.3 of its paper). The preprocess (D = rowsum(dO O),
-// dq_accum = 0), the dQ conversion and the GQA group sum are bwd.cu's kernels (flashcupy/sm90_bwd.py
-// launches them around this one).
+// key block, dK and dV in registers, dQ added into a float32 accumulator) on TMA, mbarriers and
+// wgmma, with a producer warpgroup (FlashAttention-3, section 3.3 of its paper). The preprocess
+// (D = rowsum(dO O), dq_accum = 0), the dQ conversion and the GQA group sum are bwd.cu's kernels
+// (flashcupy/sm90_bwd.py launches them around this one).
 //
 // A block holds key block j (kBlockN = 128 keys, 64 per consumer warpgroup, keys on the wgmma's M)
 // and walks the q blocks i of kBlockM = 64 queries that see it:
-//   warpgroup 0, producer: one thread loads K_j, V_j once, then Q_i and dO_i of each q block into a
-//       ring of kStages (full / empty mbarriers), by TMA; two other warps copy LSE_i and D_i;
+//   warpgroup 0, producer: warp 0 (one thread) loads K_j, V_j once, then Q_i and dO_i of each q
+//       block into a ring of kStages (full / empty mbarriers), by TMA; warps 1 and 2 copy LSE_i and
+//       D_i; warp 3 (one thread) adds each consumer's dQ_i tile from shared memory into dq_accum
+//       with TMA reductions;
 //   the others, consumers, 64 keys each, per q block:
 //       S^T = K_j Q_i^T, dP^T = V_j dO_i^T              // wgmma, all operands in shared memory
-//       P^T = exp2(S^T c - LSE_i log2 e), dS^T = P^T (dP^T - D_i)   // masked where needed
-//       dV_j += P^T dO_i, dK_j += dS^T Q_i              // wgmma, P^T and dS^T from registers
-//       dS^T -> shared memory; dQ_i += dS K_j (wgmma, both operands transposed in shared memory),
-//       each warpgroup 64 columns over the block's keys (d = 128) or every column over its own
-//       keys (d = 64), float32 reductions into dq_accum
+//       P^T = exp2(S^T c - LSE_i log2 e)                // under dP^T's wgmma; masked where needed
+//       dS^T = P^T (dP^T - D_i) -> shared memory (two buffers, alternating)
+//       dV_j += P^T dO_i                                // wgmma, P^T from registers
+//       dQ_i = dS K_j                                   // wgmma, both operands transposed in smem
+//       dK_j += dS^T Q_i                                // wgmma, dS^T from registers, under dQ's store
+//       dQ_i -> shared memory, handed to warp 3;
+//     dQ_i per warpgroup: 64 columns over the block's keys (d = 128), or every column over its own
+//     keys (d = 64);
 //   then dK_j *= softmax_scale; dK_j, dV_j to memory.
 // Shared memory: K, V (kBlockN rows), kStages x (Q, dO) (kBlockM rows), each as 64-column chunks
-// with the 128-byte swizzle; dS^T ([kBlockN keys][kBlockM queries], 128-byte rows, the same
-// swizzle), kStages x (LSE_i log2 e, D_i), then the mbarriers.
+// with the 128-byte swizzle; 2 x dS^T ([kBlockN keys][kBlockM queries], 128-byte rows, the same
+// swizzle); per consumer the dQ_i tile (float32, two 32-column halves, the same swizzle); kStages x
+// (LSE_i log2 e, D_i); the mbarriers.
 #include "sm90.cuh"
 #include "mask.cuh"
 #include "seqlens.cuh"
@@ -39,15 +45,22 @@ struct Sm90BwdTraits {
     static constexpr int kChunk = 64, kChunks = kHeadDim / kChunk;
     static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
     static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // Q or dO, one stage
+    static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // dS^T, one buffer
+    static constexpr int kDQCols = 64, kDQHalfCols = 32;     // dQ_i per consumer; 128-byte rows of float32
+    static constexpr int kDQBytes = kBlockM * kDQCols * 4;
     static constexpr int kOffV = kKVBytes;
     static constexpr int kOffQ = 2 * kKVBytes;
     static constexpr int kOffDO = kOffQ + kStages * kQBytes;
     static constexpr int kOffDS = kOffDO + kStages * kQBytes;
-    static constexpr int kOffLse = kOffDS + kBlockN * kBlockM * 2;  // per stage LSE_i log2 e, then D_i
+    static constexpr int kOffDQ = kOffDS + 2 * kDSBytes;
+    static constexpr int kOffLse = kOffDQ + kConsumerWGs * kDQBytes;  // per stage LSE_i log2 e, then D_i
     static constexpr int kOffBar = kOffLse + kStages * 2 * kBlockM * 4;
     static constexpr int kBarriers = 1 + 2 * kStages;  // K and V full; per stage Q, dO, LSE, D full, empty
     static constexpr int kStageLoaders = kBlockM;      // producer threads that copy a stage's LSE and D
     static constexpr int kSmemBytes = kOffBar + kBarriers * 8 + 1024;
+    // Named barriers: dS^T written (per consumer when it reads only its own keys' rows), then per
+    // consumer its dQ tile written (to warp 3) and read (from warp 3).
+    static constexpr int kBarDS = 1, kBarDQFull = 3, kBarDQEmpty = 5, kDQHandoff = 128 + 32;
     // dQ_i per warpgroup: at d = 128 one 64-column chunk over all keys of the block; at d = 64 all
     // columns over its own 64 keys (the two partial sums both go to dq_accum).
     static constexpr bool kDQOwnKeys = kHeadDim == 64;
@@ -56,15 +69,16 @@ struct Sm90BwdTraits {
     static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys");
 };
 
-// The kernel's one parameter: BwdParams and the tensor maps of q, k, v and dout (flashcupy/sm90_bwd.py).
+// The kernel's one parameter: BwdParams and the tensor maps of q, k, v, dout and dq_accum.
 struct Sm90BwdArgs {
     BwdParams p;
-    TmaDesc q, k, v, dout;
+    TmaDesc q, k, v, dout, dq_accum;
 };
-static_assert(sizeof(BwdParams) <= 512 && sizeof(Sm90BwdArgs) == 512 + 4 * 128,
-              "flashcupy/sm90_bwd.py lays the tensor maps at bytes 512, 640, 768 and 896");
+static_assert(sizeof(BwdParams) <= 512 && sizeof(Sm90BwdArgs) == 512 + 5 * 128,
+              "flashcupy/sm90_bwd.py lays the tensor maps at bytes 512, 640, 768, 896 and 1024");
 
-template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool Is_causal, bool Is_local, bool Is_bf16>
+template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool Is_causal, bool Is_local, bool Is_bf16,
+          bool Is_deterministic>
 __global__ void __launch_bounds__(128 * (1 + kBlockN / 64), 1)
 flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
     using T = Sm90BwdTraits<kHeadDim, kBlockM, kBlockN, kStages>;
@@ -145,6 +159,51 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
                 }
             }
         }
+        if (tid / 32 == 3 && m_count > 0) {  // warp 3: each consumer's dQ_i tile into dq_accum
+            const int dq_batch = p.cu_seqlens_q ? 0 : batch;
+            // Deterministic: q block i's tiles are added in key-block order. The key blocks that
+            // reach it are a contiguous range, from 0 or (Is_local) from the one holding key
+            // key_begin; its semaphore counts those that have added, so block j waits for its rank.
+            int* sems = p.dq_semaphore + (i64(batch) * p.nheads + head) * ((p.max_seqlen_q + kBlockM - 1) / kBlockM);
+            // Each consumer waits for its tile to be free before writing it; the first is.
+#pragma unroll
+            for (int c = 0; c < T::kConsumerWGs; ++c) named_bar_arrive(T::kBarDQEmpty + c, T::kDQHandoff);
+            for (int it = 0; it < m_count; ++it) {
+                // Rows past a sequence's end hold zeros (P = 0 there): in a packed varlen batch they
+                // add nothing to the next sequence, past the tensor's end TMA drops them.
+                const int m_block = m_block_min + it, q_row = seq.q_start + m_block * kBlockM;
+                const int n_rank = n_block - mask.key_begin(m_block * kBlockM) / kBlockN;
+                if (Is_deterministic) {
+                    if (lane == 0)
+                        while (ld_acquire(sems + m_block) != n_rank) asm volatile("nanosleep.u32 64;\n");
+                    __syncwarp();
+                }
+#pragma unroll
+                for (int c = 0; c < T::kConsumerWGs; ++c) {
+                    named_bar_sync(T::kBarDQFull + c, T::kDQHandoff);
+                    if (lane == 0) {
+                        const int col0 = T::kDQOwnKeys ? 0 : c * T::kDQCols;
+                        const u32 tile = smem + T::kOffDQ + c * T::kDQBytes;
+#pragma unroll
+                        for (int h = 0; h < T::kDQCols / T::kDQHalfCols; ++h)
+                            tma_reduce_add_4d(&args.dq_accum, tile + h * (T::kDQBytes / 2), col0 + h * T::kDQHalfCols,
+                                              q_row, head, dq_batch);
+                        bulk_commit();
+                    }
+                }
+                if (Is_deterministic && lane == 0) {
+                    bulk_wait<0>();  // added, not only read
+                    st_release(sems + m_block, n_rank + 1);
+                }
+                if (it + 1 < m_count) {
+                    if (lane == 0) bulk_wait_read<0>();
+                    __syncwarp();
+#pragma unroll
+                    for (int c = 0; c < T::kConsumerWGs; ++c) named_bar_arrive(T::kBarDQEmpty + c, T::kDQHandoff);
+                }
+            }
+            if (lane == 0) bulk_wait<0>();
+        }
         return;
     }
 
@@ -158,9 +217,6 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
     for (int i = 0; i < kHeadDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
     const float* sLse = reinterpret_cast<const float*>(smem_raw + (smem - smem_u32(smem_raw)) + T::kOffLse);
-    const i64 dq_row0 = p.cu_seqlens_q ? i64(seq.q_start) : i64(batch) * p.max_seqlen_q;
-    const i64 dq_row_stride = i64(p.nheads) * kHeadDim;
-    float* gdQ = p.dq_accum + (dq_row0 * p.nheads + head) * kHeadDim;
     // Descriptors: K-major K, V (this warpgroup's 64 rows), Q, dO: 64-column chunks kBlockN or kBlockM
     // * 128 bytes apart, 16-column k steps 32 bytes apart; N-major dO, Q as the B of dV, dK (16
     // queries 2048 bytes apart); MN-major dS (16 keys 2048 bytes apart) and K (a 64-column chunk)
@@ -170,7 +226,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
     mbar_wait(kv_full, 0);
     for (int it = 0; it < m_count; ++it) {
         const int s = it % kStages, m_block = m_block_min + it, q0 = m_block * kBlockM;
-        const u32 sQ_s = sQ + s * T::kQBytes, sdO_s = sdO + s * T::kQBytes;
+        const u32 sQ_s = sQ + s * T::kQBytes, sdO_s = sdO + s * T::kQBytes, sdS_b = sdS + (it & 1) * T::kDSBytes;
         float acc_s[1][kBlockM / 8][4], acc_dp[1][kBlockM / 8][4];  // S^T, dP^T: 64 keys x kBlockM queries
         float(&s_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(acc_s);
         float(&dp_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(acc_dp);
@@ -186,14 +242,14 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         };
         mbar_wait(q_full(s), (it / kStages) & 1);
         wgmma_fence();
-        issue_ss(s_flat, sK_wg, sQ_s);
-        issue_ss(dp_flat, sV_wg, sdO_s);
-        wgmma_wait<0>();
+        // K_j and V_j do not change; their descriptors are rebuilt each step (in_place), not held
+        issue_ss(s_flat, in_place(sK_wg), sQ_s);
+        issue_ss(dp_flat, in_place(sV_wg), sdO_s);
+        wgmma_wait<1>();  // S^T done; dP^T still running
         fence_regs(s_flat);
-        fence_regs(dp_flat);
 
-        // P^T and dS^T in place of S^T and dP^T; element e of tile nt is key key_w0 + g + 8 (e / 2),
-        // query q0 + 8 nt + 2 t + e % 2.
+        // P^T in place of S^T, then dS^T in place of dP^T; element e of tile nt is key
+        // key_w0 + g + 8 (e / 2), query q0 + 8 nt + 2 t + e % 2.
         const bool needs_mask = q0 + kBlockM > seqlen_q || key0 + kBlockN > seqlen_k ||
                                 ((Is_causal || Is_local) && mask.tile_needs_mask(q0, n_block));
         const float* lse_s = sLse + s * 2 * kBlockM;  // this stage's LSE_i log2 e, then D_i
@@ -201,7 +257,6 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         for (int nt = 0; nt < kBlockM / 8; ++nt) {
             // the two queries of a thread in a tile are adjacent: one float2 of each
             const float2 lse2 = *reinterpret_cast<const float2*>(lse_s + 8 * nt + 2 * t);
-            const float2 dsum = *reinterpret_cast<const float2*>(lse_s + kBlockM + 8 * nt + 2 * t);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int e1 = e % 2;
@@ -210,73 +265,81 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
                     const int key = key0 + key_w0 + g + 8 * (e / 2), q = q0 + 8 * nt + 2 * t + e1;
                     if (key >= seqlen_k || q >= seqlen_q || mask.hidden(q, key)) pr = 0.f;
                 }
-                acc_dp[0][nt][e] = pr * (acc_dp[0][nt][e] - (e1 ? dsum.y : dsum.x));
                 acc_s[0][nt][e] = pr;
             }
         }
         u32 a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
 #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-            acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
-            acc_to_a_frag<Is_bf16>(acc_dp[0][2 * kk], acc_dp[0][2 * kk + 1], a_ds[kk]);
-        }
-        // dV += P^T dO_i, dK += dS^T Q_i
+        for (int kk = 0; kk < kBlockM / 16; ++kk) acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
+        // dV += P^T dO_i, queued behind dP^T
         fence_regs(acc_dv);
-        fence_regs(acc_dk);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk)
             Wgmma<kHeadDim, Is_bf16>::rs(acc_dv, a_p[kk], gmma_desc(sdO_s + kk * 2048, kBlockM * 128, 1024));
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-            Wgmma<kHeadDim, Is_bf16>::rs(acc_dk, a_ds[kk], gmma_desc(sQ_s + kk * 2048, kBlockM * 128, 1024));
         wgmma_commit();
-
+        wgmma_wait<1>();  // dP^T done
+        fence_regs(dp_flat);
+#pragma unroll
+        for (int nt = 0; nt < kBlockM / 8; ++nt) {
+            const float2 dsum = *reinterpret_cast<const float2*>(lse_s + kBlockM + 8 * nt + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dp[0][nt][e] = acc_s[0][nt][e] * (acc_dp[0][nt][e] - (e % 2 ? dsum.y : dsum.x));
+        }
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) acc_to_a_frag<Is_bf16>(acc_dp[0][2 * kk], acc_dp[0][2 * kk + 1], a_ds[kk]);
         // dS^T to shared memory: row key (128 bytes), 16-byte unit nt swizzled with the row's low
-        // three bits. The warpgroups that read it (both, or this one) first finish the last q
-        // block's dQ.
-        const int ds_bar = T::kDQOwnKeys ? 1 + consumer : 1, ds_threads = T::kDQOwnKeys ? 128 : T::kConsumers;
-        named_bar_sync(ds_bar, ds_threads);
+        // three bits (g): the address of unit g, XOR nt << 4. Two buffers: the other warpgroup may
+        // still read the last q block's (its dQ wgmma), not the one before, which it finished
+        // before the last dS^T barrier.
+        const u32 ds_row = in_place(sdS_b + (key_w0 + g) * 128 + (g << 4) + 4 * t);
 #pragma unroll
         for (int nt = 0; nt < kBlockM / 8; ++nt)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = key_w0 + g + 8 * h;
-                st_shared_u32(sdS + row * 128 + ((nt ^ (row & 7)) << 4) + 4 * t,
+            for (int h = 0; h < 2; ++h)
+                st_shared_u32((ds_row + h * 8 * 128) ^ (nt << 4),
                               pack_f32x2<Is_bf16>(acc_dp[0][nt][2 * h], acc_dp[0][nt][2 * h + 1]));
-            }
-        fence_proxy_async_shared();  // visible to the wgmma (async proxy)
-        named_bar_sync(ds_bar, ds_threads);
-        wgmma_wait<0>();  // dV, dK done: a_p, a_ds free, Q_i and dO_i no longer read by them
-        fence_regs(acc_dv);
-        fence_regs(acc_dk);
+        fence_proxy_async_shared();  // dS^T visible to the wgmma (async proxy)
+        if (T::kDQOwnKeys) named_bar_sync(T::kBarDS + consumer, 128);
+        else named_bar_sync(T::kBarDS, T::kConsumers);
 
         // dQ_i (kBlockM queries x 64 columns) = dS (queries x keys) K (keys x columns)
         constexpr int kDQKeys = T::kDQOwnKeys ? 64 : kBlockN;
-        const u32 sdS_dq = T::kDQOwnKeys ? sdS + key_wg0 * 128 : sdS;
-        const u32 sK_dq = T::kDQOwnKeys ? sK + key_wg0 * 128 : sK + consumer * kBlockN * 128;
-        const int dq_col0 = T::kDQOwnKeys ? 0 : 64 * consumer;
+        const u32 sdS_dq = T::kDQOwnKeys ? sdS_b + key_wg0 * 128 : sdS_b;
+        const u32 sK_dq = in_place(T::kDQOwnKeys ? sK + key_wg0 * 128 : sK + consumer * kBlockN * 128);
         float acc_dq[32];
-        wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kDQKeys / 16; ++kk)
             Wgmma<64, Is_bf16>::ss_tt(acc_dq, gmma_desc(sdS_dq + kk * 2048, kBlockN * 128, 1024),
                                       gmma_desc(sK_dq + kk * 2048, kBlockN * 128, 1024), kk > 0);
         wgmma_commit();
-        wgmma_wait<0>();
+        // dK += dS^T Q_i
+        fence_regs(acc_dk);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk)
+            Wgmma<kHeadDim, Is_bf16>::rs(acc_dk, a_ds[kk], gmma_desc(sQ_s + kk * 2048, kBlockM * 128, 1024));
+        wgmma_commit();
+        wgmma_wait<1>();  // dV, dQ_i done
+        fence_regs(acc_dv);
         fence_regs(acc_dq);
+        // dQ_i to this warpgroup's tile, rows 16 warp + g + 8 h, columns 8 nt + 2 t + e1: column
+        // half nt / 4, its 16-byte unit 2 (nt % 4) + t / 2 swizzled with the row's low three bits
+        // (g): the address of unit (t / 2) ^ g, XOR (nt % 4) << 5.
+        const u32 dq_row = in_place(smem + T::kOffDQ + consumer * T::kDQBytes + (16 * warp + g) * 128 +
+                                    (((t >> 1) ^ g) << 4) + 8 * (t & 1));
+        named_bar_sync(T::kBarDQEmpty + consumer, T::kDQHandoff);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                st_shared_f32x2(((dq_row + h * 8 * 128) ^ ((nt % 4) << 5)) + (nt / 4) * (T::kDQBytes / 2),
+                                acc_dq[4 * nt + 2 * h], acc_dq[4 * nt + 2 * h + 1]);
+        fence_proxy_async_shared();  // visible to the TMA reduction
+        named_bar_arrive(T::kBarDQFull + consumer, T::kDQHandoff);
+        wgmma_wait<0>();  // dK done: Q_i, dO_i, a_ds free
+        fence_regs(acc_dk);
         mbar_arrive(q_empty(s));  // Q_i, dO_i consumed
-        // rows 16 warp + g + 8 h (queries), columns dq_col0 + 8 nt + 2 t + e1
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int q = q0 + 16 * warp + g + 8 * h;
-            if (q < seqlen_q) {
-                float* row = gdQ + q * dq_row_stride + dq_col0 + 2 * t;
-#pragma unroll
-                for (int nt = 0; nt < 8; ++nt)
-                    red_add_f32x2(row + 8 * nt, acc_dq[4 * nt + 2 * h], acc_dq[4 * nt + 2 * h + 1]);
-            }
-        }
     }
 
     // dK *= softmax_scale; rows key_w0 + g + 8 h, columns 8 dt + 2 t + e1

@@ -46,13 +46,34 @@ FC_DEVICE void tma_load_4d(u32 dst, const TmaDesc* desc, u32 bar, int c0, int c1
                  : "memory");
 }
 
-// ---- float32 reductions: two adjacent floats (8-byte aligned), one vector instruction -------------
-FC_DEVICE void red_add_f32x2(float* addr, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
+// A 4-D box of float32 in shared memory at `src` added element-wise into global memory (the
+// tensor map's layout) by TMA; coordinates past the tensor's end are dropped. Completion is tracked
+// by bulk groups: bulk_commit closes one, bulk_wait_read<N> waits until at most N groups still read
+// shared memory, bulk_wait<N> until at most N are unfinished.
+FC_DEVICE void tma_reduce_add_4d(const TmaDesc* desc, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
+                 " [%0, {%2, %3, %4, %5}], [%1];\n"
+                 ::"l"(desc), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
 }
+FC_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+FC_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
+template <int N>
+FC_DEVICE void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 // ---- shared memory written by threads, then read by the async proxy (wgmma, TMA) ----------------
 FC_DEVICE void st_shared_u32(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory"); }
+// `x`, recomputed where it stands: ptxas cannot hoist it (or what is derived from it) out of a loop,
+// where it would hold it in a register across the loop or spill it.
+FC_DEVICE u32 in_place(u32 x) {
+    u32 y;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+FC_DEVICE void st_shared_f32x2(u32 addr, float a, float b) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
 // Orders this thread's shared-memory writes before later async-proxy reads of them (with a barrier
 // between the writers and the thread that issues the wgmma).
 FC_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

@@ -30,11 +30,6 @@ class Family:
         """None when this family computes `problem` on `device` (a DeviceInfo), else the reason."""
         raise NotImplementedError
 
-    def passes_over(self, problem, device) -> str | None:
-        """None when the dispatcher takes this family for a problem it serves; else why it leaves it
-        to the families after it (measured slower there). backend= still runs it."""
-        return None
-
     def variant(self, problem, device):
         """The kernel variant (tiles included) this family launches for `problem` on `device`."""
         raise NotImplementedError
@@ -91,15 +86,10 @@ def select(direction: str, problem, device, backend: str | None = None, source: 
         if reason is not None:
             raise ValueError(f"{source} {backend!r} cannot compute this {direction}: {reason}")
         return named[0]
-    reasons, serving = [], []
+    reasons = []
     for family in candidates:
         reason = family.unsupported(problem, device)
         if reason is None:
-            if family.passes_over(problem, device) is None:
-                return family
-            serving.append(family)
-        else:
-            reasons.append(f"{family.name}: {reason}")
-    if serving:
-        return serving[-1]
+            return family
+        reasons.append(f"{family.name}: {reason}")
     raise ValueError(f"no {direction} kernel family serves this problem on {device.name} ({'; '.join(reasons)})")

@@ -375,16 +375,17 @@ class Sm80Backward(Family):
         """dq, dk, dv written; returns D = rowsum(dO * O), laid out as the LSE."""
         variant = self.variant(problem, device)
 
-        def main(args, plans):
+        def main(args, plans, dq_accum):
             build.get_kernel(variant)(plans.main.grid, plans.main.block, args, shared_mem=plans.main.smem_bytes)
 
         return run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv)
 
 
-def run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv):
+def run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv, q_block=None):
     """A backward around a family's main kernel: the preprocess (D, dq_accum = 0), main((BwdParams
-    record,), plans) (dK, dV; dQ into dq_accum), the dQ conversion and, under GQA, the group sum;
-    dq, dk, dv written, D returned (laid out as the LSE). The helpers are this family's kernels."""
+    record,), plans, dq_accum) (dK, dV; dQ into dq_accum), the dQ conversion and, under GQA, the group sum;
+    dq, dk, dv written, D returned (laid out as the LSE). The helpers are this family's kernels.
+    q_block: the main kernel's q rows per deterministic-mode semaphore (default this family's tile's)."""
     import cupy
 
     p = problem
@@ -398,7 +399,8 @@ def run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv):
                           rows_q=rows_batch * rows_q, rows_k=rows_batch * rows_k)
     delta = cupy.empty(lse.shape, cupy.float32)
     dq_accum = cupy.empty((*q.shape[:-1], p.head_dim), cupy.float32)
-    semaphore = cupy.zeros(plans.semaphores, cupy.int32) if p.options.deterministic else None
+    semaphores = plans.semaphores if q_block is None else (p.batch, p.nheads, -(-p.max_seqlen_q // q_block))
+    semaphore = cupy.zeros(semaphores, cupy.int32) if p.options.deterministic else None
     # Under GQA the main kernel writes dK, dV per query head; the group sum adds each group.
     per_head_shape = (*k.shape[:-2], p.nheads, p.head_dim)
     dk_heads = cupy.empty(per_head_shape, q.dtype) if p.is_gqa else dk
@@ -412,7 +414,7 @@ def run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv):
         build.get_kernel(helper)(plan.grid, plan.block, args, shared_mem=plan.smem_bytes)
 
     launch("flash_bwd_preprocess_kernel", plans.preprocess)  # D, and dq_accum = 0
-    main(args, plans)                                         # dK, dV; dQ into dq_accum
+    main(args, plans, dq_accum)                               # dK, dV; dQ into dq_accum
     launch("flash_bwd_convert_dq_kernel", plans.convert_dq)  # dQ = dq_accum * scale
     if p.is_gqa:
         launch("flash_bwd_group_sum_kernel", plans.group_sum)

@@ -2,10 +2,9 @@
 a producer warpgroup (cuda_src/bwd_sm90.cu), compiled by NVRTC for sm_90a. The preprocess, the dQ
 conversion and the GQA group sum are the sm80 family's kernels (sm80.run_backward).
 
-It serves head dims 64 and 128 on compute capability 9.0, with masks, GQA and varlen; score mods
-(softcap, ALiBi) and the deterministic mode stay with the sm80 family, and `unsupported` says so.
-The dispatcher takes it at head dim 128, where it is faster (`passes_over`); backend="sm90" runs it
-at 64 too.
+It serves head dims 64 and 128 on compute capability 9.0, with masks, GQA, varlen and the
+deterministic mode (each q block's dQ tiles added in key-block order, behind a semaphore); score
+mods (softcap, ALiBi) stay with the sm80 family, and `unsupported` says so.
 """
 
 from __future__ import annotations
@@ -23,16 +22,17 @@ from .sm90_fwd import ARCH, NVRTC_OPTIONS, _map_of, args_with_maps, hopper_unsup
 HEAD_DIMS = (64, 128)
 BLOCK_M = 64    # queries per step: one 128-byte row of dS^T per key
 BLOCK_N = 128   # keys per thread block: two consumer warpgroups of 64
-STAGES = 2      # Q, dO stages
+STAGES = {64: 4, 128: 2}  # Q, dO stages by head dim (measured best; 3 at d=128 was level)
 THREADS = 128 * (1 + BLOCK_N // 64)
-ARGS_TMA_OFFSET = 512  # Sm90BwdArgs: BwdParams, then the q, k, v, dout tensor maps
+ARGS_TMA_OFFSET = 512  # Sm90BwdArgs: BwdParams, then the q, k, v, dout, dq_accum tensor maps
+DQ_COLS = 64    # dQ columns per consumer warpgroup and q block, staged as float32 in shared memory
 
 
-def smem_bytes(head_dim: int) -> int:
-    """K, V, stages x (Q, dO), dS^T, stages x (LSE, D), the mbarriers, 1024 bytes of alignment
-    (Sm90BwdTraits)."""
-    return (2 * BLOCK_N * head_dim * 2 + 2 * STAGES * BLOCK_M * head_dim * 2 + BLOCK_N * BLOCK_M * 2
-            + STAGES * 2 * BLOCK_M * 4 + (1 + 2 * STAGES) * 8 + 1024)
+def smem_bytes(head_dim: int, stages: int) -> int:
+    """K, V, stages x (Q, dO), 2 x dS^T, a dQ tile per consumer, stages x (LSE, D), the mbarriers,
+    1024 bytes of alignment (Sm90BwdTraits)."""
+    return (2 * BLOCK_N * head_dim * 2 + 2 * stages * BLOCK_M * head_dim * 2 + 2 * BLOCK_N * BLOCK_M * 2
+            + (BLOCK_N // 64) * BLOCK_M * DQ_COLS * 4 + stages * 2 * BLOCK_M * 4 + (1 + 2 * stages) * 8 + 1024)
 
 
 @dataclass(frozen=True)
@@ -40,34 +40,37 @@ class Sm90BwdVariant:
     head_dim: int
     mask: str   # one of configs.MASKS
     dtype: str
+    stages: int
+    deterministic: bool
 
     source = "bwd_sm90.cu"
     nvrtc_options = NVRTC_OPTIONS + (f"-arch={ARCH}",)
 
     @property
     def name_expression(self) -> str:
-        return (f"flash_bwd_sm90_kernel<{self.head_dim}, {BLOCK_M}, {BLOCK_N}, {STAGES}, {mask_flags(self.mask)}, "
-                f"{cpp_bool(self.dtype == 'bfloat16')}>")
+        return (f"flash_bwd_sm90_kernel<{self.head_dim}, {BLOCK_M}, {BLOCK_N}, {self.stages}, {mask_flags(self.mask)}, "
+                f"{cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.deterministic)}>")
 
     @property
     def smem_bytes(self) -> int:
-        return smem_bytes(self.head_dim)
+        return smem_bytes(self.head_dim, self.stages)
 
     @property
     def layout_check(self) -> str:
-        return build.smem_check(f"Sm90BwdTraits<{self.head_dim}, {BLOCK_M}, {BLOCK_N}, {STAGES}>", self)
+        return build.smem_check(f"Sm90BwdTraits<{self.head_dim}, {BLOCK_M}, {BLOCK_N}, {self.stages}>", self)
 
     def __str__(self) -> str:
-        return f"bwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask} tile={BLOCK_M}x{BLOCK_N} stages={STAGES}"
+        return (f"bwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask} tile={BLOCK_M}x{BLOCK_N} stages={self.stages}"
+                + (" deterministic" if self.deterministic else ""))
 
 
-def variant(head_dim: int, dtype: str, mask: str) -> Sm90BwdVariant:
+def variant(head_dim: int, dtype: str, mask: str, deterministic: bool = False) -> Sm90BwdVariant:
     mask_flags(mask)  # validates
-    return Sm90BwdVariant(head_dim, mask, dtype)
+    return Sm90BwdVariant(head_dim, mask, dtype, STAGES[head_dim], bool(deterministic))
 
 
 def pack_args(bwd_record: bytes, maps) -> np.void:
-    """Sm90BwdArgs: the BwdParams record, then the q, k, v, dout tensor maps."""
+    """Sm90BwdArgs: the BwdParams record, then the q, k, v, dout, dq_accum tensor maps."""
     return args_with_maps(bwd_record, ARGS_TMA_OFFSET, maps)
 
 
@@ -83,24 +86,18 @@ class Sm90Backward(Family):
     def unsupported(self, problem, device):
         if problem.score_mod:
             return "softcap and ALiBi gradients are the sm80 family's"
-        if problem.options.deterministic:
-            return "the deterministic mode is the sm80 family's"
-        return hopper_unsupported(problem, device, HEAD_DIMS, lambda: smem_bytes(problem.head_dim))
-
-    def passes_over(self, problem, device):
-        if problem.head_dim != 128:
-            return "the sm80 backward measured as fast at this head dim (docs/PERF_NOTES.md)"
-        return None
+        return hopper_unsupported(problem, device, HEAD_DIMS, lambda: smem_bytes(problem.head_dim, STAGES[problem.head_dim]))
 
     def variant(self, problem, device) -> Sm90BwdVariant:
-        return variant(problem.head_dim, problem.dtype, problem.band.mask)
+        return variant(problem.head_dim, problem.dtype, problem.band.mask, problem.options.deterministic)
 
     def variants(self, capability, smem_optin=None, head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"),
                  masks=("none", "causal", "local"), score_mods=(False, True), deterministic=(False, True)) -> list:
-        # score mods and the deterministic mode are not served: only their "off" choice has variants
-        if not self.runs_on(capability) or False not in score_mods or False not in deterministic:
+        # score mods are not served: only their "off" choice has variants
+        if not self.runs_on(capability) or False not in score_mods:
             return []
-        return [variant(d, dt, m) for d in head_dims if d in HEAD_DIMS for dt in dtypes for m in masks]
+        return [variant(d, dt, m, det) for d in head_dims if d in HEAD_DIMS for dt in dtypes for m in masks
+                for det in deterministic]
 
     def ci_cases(self) -> list:
         return [(v, ARCH) for v in self.variants(90)]
@@ -114,8 +111,8 @@ class Sm90Backward(Family):
         maps = (_map_of(q, problem.dtype, BLOCK_M), _map_of(k, problem.dtype, BLOCK_N),
                 _map_of(v, problem.dtype, BLOCK_N), _map_of(dout, problem.dtype, BLOCK_M))
 
-        def main(args, plans):
-            kernel_args = pack_args(args[0].tobytes(), maps)
+        def main(args, plans, dq_accum):
+            kernel_args = pack_args(args[0].tobytes(), maps + (_map_of(dq_accum, "float32", BLOCK_M),))
             build.get_kernel(var)(plan.grid, plan.block, (kernel_args,), shared_mem=plan.smem_bytes)
 
-        return sm80.run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv)
+        return sm80.run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv, q_block=BLOCK_M)

@@ -26,7 +26,7 @@ from .registry import Family
 NVRTC_OPTIONS = ("-std=c++17",)
 ARCH = "sm_90a"
 HEAD_DIMS = (64, 128, 192, 256)
-CHUNK = 64          # head-dim columns per 128-byte swizzle atom
+SWIZZLE_BYTES = 128  # a TMA box's inner extent: one row of the 128-byte swizzle
 TMA_BYTES = 128     # one tensor map
 ARGS_TMA_OFFSET = 256  # Sm90FwdArgs: FwdParams, then the q, k, v tensor maps (64-byte aligned)
 
@@ -108,25 +108,29 @@ def variant(head_dim: int, dtype: str, mask: str, score_mod: bool = False) -> Sm
 # Tensor maps
 # ----------------------------------------------------------------------------------------------
 
+_TMA_TYPES = {"float16": ("CU_TENSOR_MAP_DATA_TYPE_FLOAT16", 2), "bfloat16": ("CU_TENSOR_MAP_DATA_TYPE_BFLOAT16", 2),
+              "float32": ("CU_TENSOR_MAP_DATA_TYPE_FLOAT32", 4)}
+
+
 @functools.lru_cache(maxsize=4096)
 def tensor_map(ptr: int, dtype: str, shape: tuple, strides: tuple, box_rows: int) -> bytes:
     """The 128 bytes of a TMA tensor map over a (batch, seqlen, heads, headdim) tensor at `ptr` with
-    element `strides`: a 4-D (headdim, seqlen, heads, batch) view whose boxes are 64 head-dim
-    columns x box_rows rows of one head, swizzled by 128 bytes; rows past seqlen read as zeros."""
+    element `strides`: a 4-D (headdim, seqlen, heads, batch) view whose boxes are 128 bytes of
+    head-dim columns (64 of a 16-bit type, 32 of float32) x box_rows rows of one head, swizzled by
+    128 bytes; rows past seqlen read as zeros (and are dropped by stores and reductions)."""
     from cuda.bindings import driver
 
+    type_name, itemsize = _TMA_TYPES[dtype]
     batch, seqlen, heads, head_dim = shape
-    data_type = (driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if dtype == "bfloat16"
-                 else driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
     dims = [head_dim, seqlen, heads, batch]
     # byte strides of the outer three dims; a dim of extent 1 may have any stride, TMA wants one
     # that is a multiple of 16
-    byte_strides = [(s * 2 if n > 1 else 16) for s, n in ((strides[1], seqlen), (strides[2], heads),
-                                                          (strides[0], batch))]
+    byte_strides = [(s * itemsize if n > 1 else 16) for s, n in ((strides[1], seqlen), (strides[2], heads),
+                                                                 (strides[0], batch))]
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     err, tmap = driver.cuTensorMapEncodeTiled(
-        data_type, 4, ptr, [u64(x) for x in dims], [u64(x) for x in byte_strides],
-        [u32(x) for x in (CHUNK, box_rows, 1, 1)], [u32(1)] * 4,
+        getattr(driver.CUtensorMapDataType, type_name), 4, ptr, [u64(x) for x in dims],
+        [u64(x) for x in byte_strides], [u32(x) for x in (SWIZZLE_BYTES // itemsize, box_rows, 1, 1)], [u32(1)] * 4,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

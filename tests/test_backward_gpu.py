@@ -120,12 +120,13 @@ def test_gqa_sums_over_groups(causal, head_dim):
     run_backward(q, k, v, causal, "float16")
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_gives_identical_bits(causal):
+def test_deterministic_gives_identical_bits(causal, head_dim):
     import cupy
 
     rng = np.random.default_rng(4)
-    shape = (2, 1500, 4, 64)
+    shape = (2, 1500, 4, head_dim)
     q, k, v = (randn(rng, shape, "bfloat16") for _ in range(3))
     first, _ = run_backward(q, k, v, causal, "bfloat16", deterministic=True)
     for _ in range(3):

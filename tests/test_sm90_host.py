@@ -41,15 +41,15 @@ def test_section_heads(batch, seqlen, nheads, head_dim, causal, expected):
 
 
 def test_backward_args_layout():
-    """Sm90BwdArgs: BwdParams from byte 0, the q, k, v, dout tensor maps at 512, 640, 768, 896 (the
-    static_assert in bwd_sm90.cu holds the C++ side)."""
+    """Sm90BwdArgs: BwdParams from byte 0, the q, k, v, dout, dq_accum tensor maps at 512, 640, 768,
+    896, 1024 (the static_assert in bwd_sm90.cu holds the C++ side)."""
     from flashcupy import sm90_bwd
 
     bwd_bytes = params.record_dtype("BwdParams").itemsize
     assert bwd_bytes <= 512
     record = bytes(range(256)) * (bwd_bytes // 256) + bytes(range(bwd_bytes % 256))
-    maps = [bytes([i + 1]) * 128 for i in range(4)]
+    maps = [bytes([i + 1]) * 128 for i in range(5)]
     args = sm90_bwd.pack_args(record, maps).tobytes()
-    assert len(args) == 1024 and args[:bwd_bytes] == record and args[bwd_bytes:512] == bytes(512 - bwd_bytes)
+    assert len(args) == 1152 and args[:bwd_bytes] == record and args[bwd_bytes:512] == bytes(512 - bwd_bytes)
     for i, m in enumerate(maps):
         assert args[512 + 128 * i:640 + 128 * i] == m
