@@ -101,9 +101,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
     }
     __syncthreads();
 
-    // Block (key block, head, batch), key blocks of a head adjacent.
+    // Block (key block, head, batch), key blocks of a head adjacent; the last key block first where
+    // the deterministic mode adds a q block's tiles from its last key block down (below).
+    constexpr bool kLastKeysFirst = Is_deterministic && (Is_causal || Is_local);
     const int num_n_blocks = (p.max_seqlen_k + kBlockN - 1) / kBlockN;
-    const int n_block = blockIdx.x % num_n_blocks, hb = blockIdx.x / num_n_blocks;
+    const int n_index = blockIdx.x % num_n_blocks, hb = blockIdx.x / num_n_blocks;
+    const int n_block = kLastKeysFirst ? num_n_blocks - 1 - n_index : n_index;
     const int head = hb % p.nheads, batch = hb / p.nheads;
     const SeqLens seq(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.max_seqlen_q, p.max_seqlen_k);
     const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
@@ -162,8 +165,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         if (tid / 32 == 3 && m_count > 0) {  // warp 3: each consumer's dQ_i tile into dq_accum
             const int dq_batch = p.cu_seqlens_q ? 0 : batch;
             // Deterministic: q block i's tiles are added in key-block order. The key blocks that
-            // reach it are a contiguous range, from 0 or (Is_local) from the one holding key
-            // key_begin; its semaphore counts those that have added, so block j waits for its rank.
+            // reach it are a contiguous range [key_begin, key_end) / kBlockN; its semaphore counts
+            // those that have added, so block j waits for its rank. Without a mask the order is
+            // ascending. Under a causal or band mask it is descending: key block j's first q
+            // blocks are the last ones of the blocks below it, which ascending order would make it
+            // wait for, while the blocks above it reach them first (they start there); those are
+            // launched first, so a block never waits for one that is not running.
             int* sems = p.dq_semaphore + (i64(batch) * p.nheads + head) * ((p.max_seqlen_q + kBlockM - 1) / kBlockM);
             // Each consumer waits for its tile to be free before writing it; the first is.
 #pragma unroll
@@ -172,7 +179,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
                 // Rows past a sequence's end hold zeros (P = 0 there): in a packed varlen batch they
                 // add nothing to the next sequence, past the tensor's end TMA drops them.
                 const int m_block = m_block_min + it, q_row = seq.q_start + m_block * kBlockM;
-                const int n_rank = n_block - mask.key_begin(m_block * kBlockM) / kBlockN;
+                const int n_rank = kLastKeysFirst ? (mask.key_end(m_block * kBlockM) - 1) / kBlockN - n_block
+                                                  : n_block - mask.key_begin(m_block * kBlockM) / kBlockN;
                 if (Is_deterministic) {
                     if (lane == 0)
                         while (ld_acquire(sems + m_block) != n_rank) asm volatile("nanosleep.u32 64;\n");

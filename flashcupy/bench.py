@@ -43,6 +43,7 @@ DEFAULT_TOTAL_TOKENS = 16384
 DEFAULT_HIDDEN = 2048
 DEFAULT_REPEATS = 20
 DEFAULT_WARMUP = 3
+WARMUP_SECONDS = 0.1
 # Variants of the causal case in the default sweep: GQA with 4 query heads per kv head
 # (d=64: 32 query heads, 8 kv heads) and a Mistral-style sliding window, causal with 1024 keys back.
 VARIANTS = ("plain", "gqa", "window")
@@ -64,7 +65,7 @@ FIELDS = {
     "family": "flashcupy: the kernel families that ran, forward / backward (registry.py); null for peers",
     "status": "ok, OOM (out of device memory), err (failed, see note) or n/a (cannot run this case, see note)",
     "ms": "median of `repeats` CUDA-event timings on the current stream, after the first call and "
-          "`warmup` more untimed calls",
+          f"untimed calls (at least `warmup`, for at least {WARMUP_SECONDS} s)",
     "tflops": "attention_flops(...) / ms, the FA2 paper's count (causal halves it; bwd 2.5x, fwdbwd 3.5x fwd); "
               "with a window, 4 * headdim FLOPs per visible (query, key) pair instead",
     "ratio": "flashcupy TFLOP/s / this implementation's TFLOP/s (> 1: flashcupy is faster)",
@@ -344,7 +345,8 @@ def _release_cupy_memory() -> None:
 def time_step(step, runtime, repeats=DEFAULT_REPEATS, warmup=DEFAULT_WARMUP) -> tuple[float, float]:
     """(first call ms by wall clock, median ms of `repeats` event-timed calls).
 
-    The first call (compile, plan selection) is timed alone, then `warmup` untimed calls; the timed
+    The first call (compile, plan selection) is timed alone, then untimed calls (at least `warmup`,
+    for at least WARMUP_SECONDS); the timed
     calls are queued back to back, each between two events, with one synchronize at the end, so host
     launch overhead is hidden unless it exceeds the GPU time.
     """
@@ -353,8 +355,14 @@ def time_step(step, runtime, repeats=DEFAULT_REPEATS, warmup=DEFAULT_WARMUP) -> 
     step()
     runtime.synchronize()
     first_ms = (time.perf_counter() - t0) * 1e3
-    for _ in range(warmup):
+    # untimed calls, at least `warmup` of them and WARMUP_SECONDS of them: after the idle of a
+    # compile the GPU's clocks take a while to come back (short points read up to 2x slow)
+    deadline, calls = time.perf_counter() + WARMUP_SECONDS, 0
+    while calls < warmup or time.perf_counter() < deadline:
         step()
+        calls += 1
+        if calls % 8 == 0:
+            runtime.synchronize()  # the host waits for the GPU, so the wall clock reads its time
     events = [(runtime.event(), runtime.event()) for _ in range(repeats)]
     for start, end in events:
         start.record()
