@@ -27,6 +27,7 @@
 // (LSE_i log2 e, D_i); the mbarriers.
 #include "sm90.cuh"
 #include "mask.cuh"
+#include "score_mod.cuh"
 #include "seqlens.cuh"
 #include "warp_mma.cuh"
 #include "params.cuh"
@@ -69,6 +70,53 @@ struct Sm90BwdTraits {
     static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys");
 };
 
+// P^T = exp2(S^T c - LSE_i log2 e) in place of S^T (c = softmax_scale log2 e), masked where needed,
+// and a_p, P^T in the input dtype (dV's A operand). Element e of the thread's tile nt is key
+// key + 8 (e / 2), query q + 8 nt + e % 2. With score mods each raw score goes to natural units
+// first (c = log2 e), and once a_p holds P^T, s holds P^T times the softcap's derivative, which is
+// what dS^T = P^T (dP^T - D_i) needs.
+template <int kBlockM, int kBlockN, bool Is_causal, bool Is_local, bool Is_bf16, bool Has_score_mod>
+struct Sm90Probs {
+    float (&s)[1][kBlockM / 8][4];
+    u32 (&a_p)[kBlockM / 16][4];
+    const float* lse;  // this stage's LSE_i log2 e
+    const ScoreMod& mod;
+    const Mask<Is_causal, Is_local, kBlockM, kBlockN>& mask;
+    float scale_log2;
+    int key, q, seqlen_q, seqlen_k;
+    bool needs_mask;
+
+    template <bool kSoftcap, bool kAlibi>
+    FC_DEVICE void run() {
+        constexpr float kLog2e = 1.4426950408889634f;
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+            float dcap[2][4];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int nt = 2 * kk + j;
+                // the two queries of a thread in a tile are adjacent: one float2 of LSE
+                const float2 lse2 = *reinterpret_cast<const float2*>(lse + 8 * nt + q % 8);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int k_e = key + 8 * (e / 2), q_e = q + 8 * nt + e % 2;
+                    const float x = Has_score_mod ? mod.apply<kSoftcap, kAlibi>(s[0][nt][e], q_e, k_e, dcap[j][e]) * kLog2e
+                                                  : s[0][nt][e] * scale_log2;
+                    float pr = fast_exp2(x - (e % 2 ? lse2.y : lse2.x));
+                    if (needs_mask && (k_e >= seqlen_k || q_e >= seqlen_q || mask.hidden(q_e, k_e))) pr = 0.f;
+                    s[0][nt][e] = pr;
+                }
+            }
+            acc_to_a_frag<Is_bf16>(s[0][2 * kk], s[0][2 * kk + 1], a_p[kk]);
+            if (Has_score_mod)
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[0][2 * kk + j][e] *= dcap[j][e];
+        }
+    }
+};
+
 // The kernel's one parameter: BwdParams and the tensor maps of q, k, v, dout and dq_accum.
 struct Sm90BwdArgs {
     BwdParams p;
@@ -78,7 +126,7 @@ static_assert(sizeof(BwdParams) <= 512 && sizeof(Sm90BwdArgs) == 512 + 5 * 128,
               "flashcupy/sm90_bwd.py lays the tensor maps at bytes 512, 640, 768, 896 and 1024");
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool Is_causal, bool Is_local, bool Is_bf16,
-          bool Is_deterministic>
+          bool Is_deterministic, bool Has_score_mod>
 __global__ void __launch_bounds__(128 * (1 + kBlockN / 64), 1)
 flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
     using T = Sm90BwdTraits<kHeadDim, kBlockM, kBlockN, kStages>;
@@ -114,6 +162,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
     if (key0 >= seqlen_k) return;  // varlen: past this sequence's end
     const int band_offset = p.align_bottom_right ? seqlen_k - seqlen_q : 0;
     const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, p.window_left, p.window_right};
+    const ScoreMod mod(p.softmax_scale, p.softcap, p.alibi_slopes, p.alibi_batch_stride, batch, head, band_offset);
     const int m_block_min = mask.row_begin(key0) / kBlockM;
     const int m_count = max(0, (mask.row_end(key0) + kBlockM - 1) / kBlockM - m_block_min);
     const int tma_batch = p.cu_seqlens_q ? 0 : batch;  // a packed varlen tensor is one batch entry
@@ -256,29 +305,15 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         wgmma_wait<1>();  // S^T done; dP^T still running
         fence_regs(s_flat);
 
-        // P^T in place of S^T, then dS^T in place of dP^T; element e of tile nt is key
-        // key_w0 + g + 8 (e / 2), query q0 + 8 nt + 2 t + e % 2.
+        // P^T in place of S^T and a_p (Sm90Probs), then dS^T in place of dP^T
         const bool needs_mask = q0 + kBlockM > seqlen_q || key0 + kBlockN > seqlen_k ||
                                 ((Is_causal || Is_local) && mask.tile_needs_mask(q0, n_block));
         const float* lse_s = sLse + s * 2 * kBlockM;  // this stage's LSE_i log2 e, then D_i
-#pragma unroll
-        for (int nt = 0; nt < kBlockM / 8; ++nt) {
-            // the two queries of a thread in a tile are adjacent: one float2 of each
-            const float2 lse2 = *reinterpret_cast<const float2*>(lse_s + 8 * nt + 2 * t);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int e1 = e % 2;
-                float pr = fast_exp2(acc_s[0][nt][e] * p.scale_log2 - (e1 ? lse2.y : lse2.x));
-                if (needs_mask) {
-                    const int key = key0 + key_w0 + g + 8 * (e / 2), q = q0 + 8 * nt + 2 * t + e1;
-                    if (key >= seqlen_k || q >= seqlen_q || mask.hidden(q, key)) pr = 0.f;
-                }
-                acc_s[0][nt][e] = pr;
-            }
-        }
         u32 a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
+        Sm90Probs<kBlockM, kBlockN, Is_causal, Is_local, Is_bf16, Has_score_mod> probs{
+            acc_s, a_p, lse_s, mod, mask, p.scale_log2, key0 + key_w0 + g, q0 + 2 * t, seqlen_q, seqlen_k, needs_mask};
+        if constexpr (Has_score_mod) mod.dispatch(probs);
+        else probs.template run<false, false>();
         // dV += P^T dO_i, queued behind dP^T
         fence_regs(acc_dv);
         wgmma_fence();

@@ -74,8 +74,7 @@ def family_names(direction: str | None = None) -> list:
 
 def select(direction: str, problem, device, backend: str | None = None, source: str = "backend=") -> Family:
     """The family that computes `problem`: the one named `backend` (an error if it does not serve the
-    problem), else the first that serves it and does not pass it over (the last that serves it, if
-    all do). `source` names where `backend` came from, for errors."""
+    problem), else the first that serves it. `source` names where `backend` came from, for errors."""
     candidates = families(direction)
     if backend is not None:
         named = [f for f in candidates if f.name == backend]

@@ -2,9 +2,9 @@
 a producer warpgroup (cuda_src/bwd_sm90.cu), compiled by NVRTC for sm_90a. The preprocess, the dQ
 conversion and the GQA group sum are the sm80 family's kernels (sm80.run_backward).
 
-It serves head dims 64 and 128 on compute capability 9.0, with masks, GQA, varlen and the
-deterministic mode (each q block's dQ tiles added in key-block order, behind a semaphore); score
-mods (softcap, ALiBi) stay with the sm80 family, and `unsupported` says so.
+It serves head dims 64 and 128 on compute capability 9.0, with every option of the forward (masks,
+GQA, varlen, softcap, ALiBi, sinks) and the deterministic mode (each q block's dQ tiles added in
+key-block order, behind a semaphore); `unsupported` says why it leaves other problems to sm80.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class Sm90BwdVariant:
     dtype: str
     stages: int
     deterministic: bool
+    score_mod: bool
 
     source = "bwd_sm90.cu"
     nvrtc_options = NVRTC_OPTIONS + (f"-arch={ARCH}",)
@@ -49,7 +50,8 @@ class Sm90BwdVariant:
     @property
     def name_expression(self) -> str:
         return (f"flash_bwd_sm90_kernel<{self.head_dim}, {BLOCK_M}, {BLOCK_N}, {self.stages}, {mask_flags(self.mask)}, "
-                f"{cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.deterministic)}>")
+                f"{cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.deterministic)}, "
+                f"{cpp_bool(self.score_mod)}>")
 
     @property
     def smem_bytes(self) -> int:
@@ -61,12 +63,12 @@ class Sm90BwdVariant:
 
     def __str__(self) -> str:
         return (f"bwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask} tile={BLOCK_M}x{BLOCK_N} stages={self.stages}"
-                + (" deterministic" if self.deterministic else ""))
+                + (" deterministic" if self.deterministic else "") + (" score_mod" if self.score_mod else ""))
 
 
-def variant(head_dim: int, dtype: str, mask: str, deterministic: bool = False) -> Sm90BwdVariant:
+def variant(head_dim: int, dtype: str, mask: str, deterministic: bool = False, score_mod: bool = False) -> Sm90BwdVariant:
     mask_flags(mask)  # validates
-    return Sm90BwdVariant(head_dim, mask, dtype, STAGES[head_dim], bool(deterministic))
+    return Sm90BwdVariant(head_dim, mask, dtype, STAGES[head_dim], bool(deterministic), bool(score_mod))
 
 
 def pack_args(bwd_record: bytes, maps) -> np.void:
@@ -84,20 +86,18 @@ class Sm90Backward(Family):
         return capability == 90
 
     def unsupported(self, problem, device):
-        if problem.score_mod:
-            return "softcap and ALiBi gradients are the sm80 family's"
         return hopper_unsupported(problem, device, HEAD_DIMS, lambda: smem_bytes(problem.head_dim, STAGES[problem.head_dim]))
 
     def variant(self, problem, device) -> Sm90BwdVariant:
-        return variant(problem.head_dim, problem.dtype, problem.band.mask, problem.options.deterministic)
+        return variant(problem.head_dim, problem.dtype, problem.band.mask, problem.options.deterministic,
+                       problem.score_mod)
 
     def variants(self, capability, smem_optin=None, head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"),
                  masks=("none", "causal", "local"), score_mods=(False, True), deterministic=(False, True)) -> list:
-        # score mods are not served: only their "off" choice has variants
-        if not self.runs_on(capability) or False not in score_mods:
+        if not self.runs_on(capability):
             return []
-        return [variant(d, dt, m, det) for d in head_dims if d in HEAD_DIMS for dt in dtypes for m in masks
-                for det in deterministic]
+        return [variant(d, dt, m, det, mod) for d in head_dims if d in HEAD_DIMS for dt in dtypes for m in masks
+                for det in deterministic for mod in score_mods]
 
     def ci_cases(self) -> list:
         return [(v, ARCH) for v in self.variants(90)]

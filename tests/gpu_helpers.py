@@ -108,16 +108,31 @@ def check_grads_per_sequence(grads, refs, cu_seqlens_q, cu_seqlens_k, dtype_name
             assert err < GRAD_TOL[dtype_name], (label, f"sequence {b}", name, err)
 
 
+def _problem(q, k, options):
+    """The padded problem of q, k with these options (for asking which family serves it)."""
+    from flashcupy.problem import AttentionOptions, Problem
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    return Problem.sketch(head_dim, "bfloat16", AttentionOptions(**options), seqlen_q, nheads, k.shape[2], batch)
+
+
+def serving_families(direction, q, k, **options) -> list:
+    """The names of the families of `direction` that serve the padded problem of q, k with these
+    options on this GPU, in dispatch order."""
+    from flashcupy import registry
+    from flashcupy.device import device_info
+
+    problem = _problem(q, k, options)
+    return [f.name for f in registry.families(direction) if f.unsupported(problem, device_info()) is None]
+
+
 def skip_unless_served(direction, family_name, q, k, **options):
     """Skip, saying why, when family `family_name` of `direction` ("fwd", "bwd") does not serve the
     padded problem of q, k with these options on this GPU."""
     from flashcupy import registry
     from flashcupy.device import device_info
-    from flashcupy.problem import AttentionOptions, Problem
 
-    batch, seqlen_q, nheads, head_dim = q.shape
-    problem = Problem.sketch(head_dim, "bfloat16", AttentionOptions(**options), seqlen_q, nheads, k.shape[2], batch)
     family = next(f for f in registry.families(direction) if f.name == family_name)
-    reason = family.unsupported(problem, device_info())
+    reason = family.unsupported(_problem(q, k, options), device_info())
     if reason is not None:
         pytest.skip(f"{family_name}: {reason}")

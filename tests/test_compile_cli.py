@@ -15,7 +15,7 @@ from cli_helpers import FAKE_GPU, invoke, on_gpu
 # per Hopper device: fwd sm90 (4 head dims x 2 dtypes x 3 masks x score mods off/on) and sm80 (6 head
 # dims ...), bwd sm90 (d=64, 128) and sm80 (144 main + 36 helpers)
 FWD_KERNELS = 48 + 72
-BWD_KERNELS = 24 + 180  # sm90 (d=64, 128 x 2 dtypes x 3 masks x deterministic off/on), sm80 main and helper kernels
+BWD_KERNELS = 48 + 180  # sm90 (d=64, 128 x 2 dtypes x 3 masks x deterministic, score mods off/on), sm80 main and helpers
 ALL_KERNELS = FWD_KERNELS + BWD_KERNELS
 
 
@@ -235,7 +235,7 @@ class FakePool:
     (["--head-dims", "64", "--dtype", "bf16", "--direction", "fwd", "--score-mod", "off"], 3 + 3),
     (["--direction", "fwd"], FWD_KERNELS),
     ([], ALL_KERNELS),
-    (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 8 + 16 + 12),
+    (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 16 + 16 + 12),
     (["--dtype", "fp16", "--causal", "off", "--head-dims", "32", "--score-mod", "on"], 1 + 2 + 3),
 ])
 def test_compile_selects_variants(cache, fake_gpu, monkeypatch, args, count):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import REL_TOL, check_grads, check_lse, poison_pool, randn, rel_err, requires_gpu, to_host64
+from gpu_helpers import (REL_TOL, check_grads, check_lse, poison_pool, randn, rel_err, requires_gpu, serving_families,
+                         to_host64)
 
 pytestmark = requires_gpu
 
@@ -47,10 +48,12 @@ def test_forward_and_backward(dtype_name, head_dim, seqlen_q, seqlen_k, causal, 
 
     refs = attention_bwd_ref(host[3], *host[:3], **kw)
     for deterministic in (False, True):
-        poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), ((2, 4, seqlen_q), cupy.float32),
-                    (q.shape, cupy.float32))
-        grads = flashcupy.flash_attn_backward(dout, q, k, v, out, lse, deterministic=deterministic, **kw)
-        check_grads(grads, refs, dtype_name, f"deterministic={deterministic}")
+        for backend in serving_families("bwd", q, k, deterministic=deterministic, **kw):  # each backward family
+            poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), ((2, 4, seqlen_q), cupy.float32),
+                        (q.shape, cupy.float32))
+            grads = flashcupy.flash_attn_backward(dout, q, k, v, out, lse, deterministic=deterministic, backend=backend,
+                                                  **kw)
+            check_grads(grads, refs, dtype_name, f"{backend} deterministic={deterministic}")
 
 
 def test_window_changes_the_result_and_validation():

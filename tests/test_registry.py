@@ -31,7 +31,7 @@ def test_dispatch_takes_the_first_family_that_serves():
     assert isinstance(registry.select("bwd", sketch(256), HOPPER), sm80.Sm80Backward)  # not an sm90 head dim
     assert isinstance(registry.select("bwd", sketch(64), HOPPER), sm90_bwd.Sm90Backward)
     assert isinstance(registry.select("bwd", sketch(64), HOPPER, "sm90"), sm90_bwd.Sm90Backward)  # unless named
-    assert isinstance(registry.select("bwd", sketch(softcap=5.0), HOPPER), sm80.Sm80Backward)
+    assert isinstance(registry.select("bwd", sketch(softcap=5.0), HOPPER), sm90_bwd.Sm90Backward)
     assert isinstance(registry.select("bwd", sketch(deterministic=True), HOPPER), sm90_bwd.Sm90Backward)
     assert isinstance(registry.select("bwd", sketch(), AMPERE), sm80.Sm80Backward)
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gpu_helpers import (REL_TOL, check_grads, check_grads_per_sequence, check_lse, poison_pool, randn, rel_err,
-                         requires_gpu, to_host64)
+                         requires_gpu, serving_families, to_host64)
 
 pytestmark = requires_gpu
 
@@ -71,9 +71,11 @@ def test_softcap_alibi_sinks(dtype_name, head_dim, case):
 
     refs = attention_bwd_ref(host[3], *host[:3], **host_kw)
     for deterministic in (False, True):
-        poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (q.shape, cupy.float32))
-        grads = flashcupy.flash_attn_backward(dout, q, k, v, out, lse, deterministic=deterministic, **kw)
-        check_grads(grads, refs, dtype_name, f"deterministic={deterministic}")
+        for backend in serving_families("bwd", q, k, deterministic=deterministic, **kw):  # each backward family
+            poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (q.shape, cupy.float32))
+            grads = flashcupy.flash_attn_backward(dout, q, k, v, out, lse, deterministic=deterministic,
+                                                  backend=backend, **kw)
+            check_grads(grads, refs, dtype_name, f"{backend} deterministic={deterministic}")
 
 
 def test_sink_rows_without_keys_and_handle():
@@ -157,10 +159,11 @@ def test_varlen(dtype_name, head_dim, gqa, lengths_q, lengths_k, options):
 
     refs = attention_varlen_bwd_ref(host[3], *host[:3], *host[4:], **host_kw)
     for deterministic in (False, True):
-        poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (q.shape, cupy.float32))
-        grads = flashcupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, *sizes, deterministic=deterministic,
-                                                     **kw)
-        check_grads(grads, refs, dtype_name, f"deterministic={deterministic}")
+        for backend in serving_families("bwd", q[None], k[None], deterministic=deterministic, **kw):
+            poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (q.shape, cupy.float32))
+            grads = flashcupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, *sizes, deterministic=deterministic,
+                                                         backend=backend, **kw)
+            check_grads(grads, refs, dtype_name, f"{backend} deterministic={deterministic}")
 
 
 SHORT_LENGTHS = (1, 2, 15, 16, 17, 300)
@@ -200,10 +203,12 @@ def test_varlen_short_sequences_in_every_position(shift, options, nheads_k, head
     check_lse(lse, ref_lse)
     refs = attention_varlen_bwd_ref(host[3], *host[:3], cu_h, cu_h, **options)
     for deterministic in (False, True):
-        poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (q.shape, cupy.float32))
-        grads = flashcupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, *sizes, deterministic=deterministic,
-                                                     **options)
-        check_grads_per_sequence(grads, refs, cu_h, cu_h, dtype_name, f"{lengths} deterministic={deterministic}")
+        for backend in serving_families("bwd", q[None], k[None], deterministic=deterministic, **options):
+            poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (q.shape, cupy.float32))
+            grads = flashcupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, *sizes, deterministic=deterministic,
+                                                         backend=backend, **options)
+            check_grads_per_sequence(grads, refs, cu_h, cu_h, dtype_name,
+                                     f"{backend} {lengths} deterministic={deterministic}")
 
 
 def test_varlen_many_sequences_and_heads():
