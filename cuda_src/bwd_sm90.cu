@@ -18,8 +18,7 @@
 //       dQ_i = dS K_j                                   // wgmma, both operands transposed in smem
 //       dK_j += dS^T Q_i                                // wgmma, dS^T from registers, under dQ's store
 //       dQ_i -> shared memory, handed to warp 3;
-//     dQ_i per warpgroup: 64 columns over the block's keys (d = 128), or every column over its own
-//     keys (d = 64);
+//     dQ_i per warpgroup: half of the columns over all the block's keys;
 //   then dK_j *= softmax_scale; dK_j, dV_j to memory.
 // Shared memory: K, V (kBlockN rows), kStages x (Q, dO) (kBlockM rows), each as 64-column chunks
 // with the 128-byte swizzle; 2 x dS^T ([kBlockN keys][kBlockM queries], 128-byte rows, the same
@@ -47,8 +46,10 @@ struct Sm90BwdTraits {
     static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
     static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // Q or dO, one stage
     static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // dS^T, one buffer
-    static constexpr int kDQCols = 64, kDQHalfCols = 32;     // dQ_i per consumer; 128-byte rows of float32
-    static constexpr int kDQBytes = kBlockM * kDQCols * 4;
+    // dQ_i: each consumer kDQCols of the columns over all the block's keys, staged as float32 in
+    // 32-column parts (128-byte rows)
+    static constexpr int kDQCols = kHeadDim / kConsumerWGs, kDQPartCols = 32, kDQParts = kDQCols / kDQPartCols;
+    static constexpr int kDQPartBytes = kBlockM * kDQPartCols * 4, kDQBytes = kDQParts * kDQPartBytes;
     static constexpr int kOffV = kKVBytes;
     static constexpr int kOffQ = 2 * kKVBytes;
     static constexpr int kOffDO = kOffQ + kStages * kQBytes;
@@ -59,13 +60,10 @@ struct Sm90BwdTraits {
     static constexpr int kBarriers = 1 + 2 * kStages;  // K and V full; per stage Q, dO, LSE, D full, empty
     static constexpr int kStageLoaders = kBlockM;      // producer threads that copy a stage's LSE and D
     static constexpr int kSmemBytes = kOffBar + kBarriers * 8 + 1024;
-    // Named barriers: dS^T written (per consumer when it reads only its own keys' rows), then per
-    // consumer its dQ tile written (to warp 3) and read (from warp 3).
-    static constexpr int kBarDS = 1, kBarDQFull = 3, kBarDQEmpty = 5, kDQHandoff = 128 + 32;
-    // dQ_i per warpgroup: at d = 128 one 64-column chunk over all keys of the block; at d = 64 all
-    // columns over its own 64 keys (the two partial sums both go to dq_accum).
-    static constexpr bool kDQOwnKeys = kHeadDim == 64;
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 (dQ: 64 x 64 per warpgroup)");
+    // Named barriers: dS^T written (both consumers read all of it), then per consumer its dQ tile
+    // written (to warp 3) and read (from warp 3).
+    static constexpr int kBarDS = 1, kBarDQFull = 2, kBarDQEmpty = 4, kDQHandoff = 128 + 32;
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 (dQ: 64 x 32 or 64 x 64 per warpgroup)");
     static_assert(kBlockM == 64, "q blocks of 64: one 128-byte row of dS^T per key (and two copier warps)");
     static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys");
 };
@@ -237,11 +235,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
                 for (int c = 0; c < T::kConsumerWGs; ++c) {
                     named_bar_sync(T::kBarDQFull + c, T::kDQHandoff);
                     if (lane == 0) {
-                        const int col0 = T::kDQOwnKeys ? 0 : c * T::kDQCols;
                         const u32 tile = smem + T::kOffDQ + c * T::kDQBytes;
 #pragma unroll
-                        for (int h = 0; h < T::kDQCols / T::kDQHalfCols; ++h)
-                            tma_reduce_add_4d(&args.dq_accum, tile + h * (T::kDQBytes / 2), col0 + h * T::kDQHalfCols,
+                        for (int h = 0; h < T::kDQParts; ++h)
+                            tma_reduce_add_4d(&args.dq_accum, tile + h * T::kDQPartBytes, c * T::kDQCols + h * T::kDQPartCols,
                                               q_row, head, dq_batch);
                         bulk_commit();
                     }
@@ -360,18 +357,18 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
                 st_shared_u32((ds_row + h * 8 * 128) ^ (nt << 4),
                               pack_f32x2<Is_bf16>(acc_dp[0][nt][2 * h], acc_dp[0][nt][2 * h + 1]));
         fence_proxy_async_shared();  // dS^T visible to the wgmma (async proxy)
-        if (T::kDQOwnKeys) named_bar_sync(T::kBarDS + consumer, 128);
-        else named_bar_sync(T::kBarDS, T::kConsumers);
+        named_bar_sync(T::kBarDS, T::kConsumers);
 
-        // dQ_i (kBlockM queries x 64 columns) = dS (queries x keys) K (keys x columns)
-        constexpr int kDQKeys = T::kDQOwnKeys ? 64 : kBlockN;
-        const u32 sdS_dq = T::kDQOwnKeys ? sdS_b + key_wg0 * 128 : sdS_b;
-        const u32 sK_dq = in_place(T::kDQOwnKeys ? sK + key_wg0 * 128 : sK + consumer * kBlockN * 128);
-        float acc_dq[32];
+        // dQ_i (kBlockM queries x kDQCols columns from col0) = dS (queries x keys) K (keys x
+        // columns); K's columns col0.. start (col0 % 64) * 2 bytes into a row of its 64-column chunk
+        constexpr int kDQCols = T::kDQCols;
+        const int col0 = consumer * kDQCols;
+        const u32 sK_dq = in_place(sK + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2);
+        float acc_dq[kDQCols / 2];
 #pragma unroll
-        for (int kk = 0; kk < kDQKeys / 16; ++kk)
-            Wgmma<64, Is_bf16>::ss_tt(acc_dq, gmma_desc(sdS_dq + kk * 2048, kBlockN * 128, 1024),
-                                      gmma_desc(sK_dq + kk * 2048, kBlockN * 128, 1024), kk > 0);
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
+            Wgmma<kDQCols, Is_bf16>::ss_tt(acc_dq, gmma_desc(sdS_b + kk * 2048, kBlockN * 128, 1024),
+                                           gmma_desc(sK_dq + kk * 2048, kBlockN * 128, 1024), kk > 0);
         wgmma_commit();
         // dK += dS^T Q_i
         fence_regs(acc_dk);
@@ -384,16 +381,16 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         fence_regs(acc_dv);
         fence_regs(acc_dq);
         // dQ_i to this warpgroup's tile, rows 16 warp + g + 8 h, columns 8 nt + 2 t + e1: column
-        // half nt / 4, its 16-byte unit 2 (nt % 4) + t / 2 swizzled with the row's low three bits
+        // part nt / 4, its 16-byte unit 2 (nt % 4) + t / 2 swizzled with the row's low three bits
         // (g): the address of unit (t / 2) ^ g, XOR (nt % 4) << 5.
         const u32 dq_row = in_place(smem + T::kOffDQ + consumer * T::kDQBytes + (16 * warp + g) * 128 +
                                     (((t >> 1) ^ g) << 4) + 8 * (t & 1));
         named_bar_sync(T::kBarDQEmpty + consumer, T::kDQHandoff);
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+        for (int nt = 0; nt < kDQCols / 8; ++nt)
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-                st_shared_f32x2(((dq_row + h * 8 * 128) ^ ((nt % 4) << 5)) + (nt / 4) * (T::kDQBytes / 2),
+                st_shared_f32x2(((dq_row + h * 8 * 128) ^ ((nt % 4) << 5)) + (nt / 4) * T::kDQPartBytes,
                                 acc_dq[4 * nt + 2 * h], acc_dq[4 * nt + 2 * h + 1]);
         fence_proxy_async_shared();  // visible to the TMA reduction
         named_bar_arrive(T::kBarDQFull + consumer, T::kDQHandoff);

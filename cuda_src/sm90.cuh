@@ -132,6 +132,7 @@ FC_DEVICE u64 gmma_desc_advance(u64 desc, u32 bytes) {
     return (desc & 0xFFFFFFFF00000000ull) | u32(u32(desc) + (bytes >> 4));
 }
 
+#define FC_REGS_16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define FC_REGS_32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define FC_REGS_40 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
 #define FC_REGS_48 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
@@ -148,6 +149,7 @@ FC_DEVICE u64 gmma_desc_advance(u64 desc, u32 bytes) {
 #define FC_AREGS_128 "{%128, %129, %130, %131}"
 #define FC_ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                       "+f"(d[i + 6]), "+f"(d[i + 7])
+#define FC_ACC16(d) FC_ACC8(d, 0), FC_ACC8(d, 8)
 #define FC_ACC32(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24)
 #define FC_ACC40(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24), FC_ACC8(d, 32)
 #define FC_ACC48(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24), FC_ACC8(d, 32), FC_ACC8(d, 40)
@@ -174,7 +176,7 @@ FC_DEVICE u64 gmma_desc_advance(u64 desc, u32 bytes) {
 
 template <int N, bool Is_bf16>
 struct Wgmma {
-    static_assert(N == 64 || N == 80 || N == 96 || N == 128 || N == 176 || N == 192 || N == 256,
+    static_assert(N == 32 || N == 64 || N == 80 || N == 96 || N == 128 || N == 176 || N == 192 || N == 256,
                   "wgmma N of the sm90 kernels (add its register lists above for another)");
     static constexpr int kRegs = N / 2;  // float32 accumulators per thread
 
@@ -193,6 +195,7 @@ struct Wgmma {
     }
     // A MN-major (its M dimension contiguous), B N-major, both in shared memory
     static FC_DEVICE void ss_tt(float (&d)[kRegs], u64 desc_a, u64 desc_b, int scale_d) {
+        FC_WGMMA_CASE(32, 16, FC_WGMMA_SS, 16, 17, 18, "1, 1")
         FC_WGMMA_CASE(64, 32, FC_WGMMA_SS, 32, 33, 34, "1, 1")
     }
     static FC_DEVICE void rs(float (&d)[kRegs], const u32 (&a)[4], u64 desc_b) {

@@ -25,14 +25,13 @@ BLOCK_N = 128   # keys per thread block: two consumer warpgroups of 64
 STAGES = {64: 4, 128: 2}  # Q, dO stages by head dim (measured best; 3 at d=128 was level)
 THREADS = 128 * (1 + BLOCK_N // 64)
 ARGS_TMA_OFFSET = 512  # Sm90BwdArgs: BwdParams, then the q, k, v, dout, dq_accum tensor maps
-DQ_COLS = 64    # dQ columns per consumer warpgroup and q block, staged as float32 in shared memory
 
 
 def smem_bytes(head_dim: int, stages: int) -> int:
-    """K, V, stages x (Q, dO), 2 x dS^T, a dQ tile per consumer, stages x (LSE, D), the mbarriers,
-    1024 bytes of alignment (Sm90BwdTraits)."""
+    """K, V, stages x (Q, dO), 2 x dS^T, the dQ tile (float32, split between the consumers), stages x
+    (LSE, D), the mbarriers, 1024 bytes of alignment (Sm90BwdTraits)."""
     return (2 * BLOCK_N * head_dim * 2 + 2 * stages * BLOCK_M * head_dim * 2 + 2 * BLOCK_N * BLOCK_M * 2
-            + (BLOCK_N // 64) * BLOCK_M * DQ_COLS * 4 + stages * 2 * BLOCK_M * 4 + (1 + 2 * stages) * 8 + 1024)
+            + BLOCK_M * head_dim * 4 + stages * 2 * BLOCK_M * 4 + (1 + 2 * stages) * 8 + 1024)
 
 
 @dataclass(frozen=True)
