@@ -346,9 +346,8 @@ def time_step(step, runtime, repeats=DEFAULT_REPEATS, warmup=DEFAULT_WARMUP) -> 
     """(first call ms by wall clock, median ms of `repeats` event-timed calls).
 
     The first call (compile, plan selection) is timed alone, then untimed calls (at least `warmup`,
-    for at least WARMUP_SECONDS); the timed
-    calls are queued back to back, each between two events, with one synchronize at the end, so host
-    launch overhead is hidden unless it exceeds the GPU time.
+    for at least WARMUP_SECONDS); the timed calls are queued back to back, each between two events,
+    with one synchronize at the end, so host launch overhead is hidden unless it exceeds the GPU time.
     """
     runtime.synchronize()
     t0 = time.perf_counter()

@@ -61,11 +61,13 @@ class Sm90BwdVariant:
         return build.smem_check(f"Sm90BwdTraits<{self.head_dim}, {BLOCK_M}, {BLOCK_N}, {self.stages}>", self)
 
     def __str__(self) -> str:
-        return (f"bwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask} tile={BLOCK_M}x{BLOCK_N} stages={self.stages}"
-                + (" deterministic" if self.deterministic else "") + (" score_mod" if self.score_mod else ""))
+        return (f"bwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask} tile={BLOCK_M}x{BLOCK_N} "
+                f"stages={self.stages}" + (" deterministic" if self.deterministic else "")
+                + (" score_mod" if self.score_mod else ""))
 
 
-def variant(head_dim: int, dtype: str, mask: str, deterministic: bool = False, score_mod: bool = False) -> Sm90BwdVariant:
+def variant(head_dim: int, dtype: str, mask: str, deterministic: bool = False,
+            score_mod: bool = False) -> Sm90BwdVariant:
     mask_flags(mask)  # validates
     return Sm90BwdVariant(head_dim, mask, dtype, STAGES[head_dim], bool(deterministic), bool(score_mod))
 
@@ -85,7 +87,8 @@ class Sm90Backward(Family):
         return capability == 90
 
     def unsupported(self, problem, device):
-        return hopper_unsupported(problem, device, HEAD_DIMS, lambda: smem_bytes(problem.head_dim, STAGES[problem.head_dim]))
+        return hopper_unsupported(problem, device, HEAD_DIMS,
+                                  lambda: smem_bytes(problem.head_dim, STAGES[problem.head_dim]))
 
     def variant(self, problem, device) -> Sm90BwdVariant:
         return variant(problem.head_dim, problem.dtype, problem.band.mask, problem.options.deterministic,

@@ -13,9 +13,9 @@ from flashcupy.device import DeviceInfo
 from cli_helpers import FAKE_GPU, invoke, on_gpu
 
 # per Hopper device: fwd sm90 (4 head dims x 2 dtypes x 3 masks x score mods off/on) and sm80 (6 head
-# dims ...), bwd sm90 (d=64, 128) and sm80 (144 main + 36 helpers)
+# dims ...), bwd sm90 (d=64, 128 with every option) and sm80 (144 main + 36 helpers)
 FWD_KERNELS = 48 + 72
-BWD_KERNELS = 48 + 180  # sm90 (d=64, 128 x 2 dtypes x 3 masks x deterministic, score mods off/on), sm80 main and helpers
+BWD_KERNELS = 48 + 180  # sm90 (d=64, 128 x 2 dtypes x 3 masks x deterministic, score mods), sm80 main + helpers
 ALL_KERNELS = FWD_KERNELS + BWD_KERNELS
 
 
