@@ -20,9 +20,12 @@
 //       dQ_i -> shared memory, handed to warp 3;
 //     dQ_i per warpgroup: half of the columns over all the block's keys;
 //   then dK_j *= softmax_scale; dK_j, dV_j to memory.
+// Has_score_mod instances take the raw scores to natural units before P^T (score_mod.cuh) and fold
+// the softcap's derivative into dS^T; Is_deterministic ones add each q block's dQ tiles in a fixed
+// key-block order (a semaphore per q block); a sink needs nothing here (it is in the LSE).
 // Shared memory: K, V (kBlockN rows), kStages x (Q, dO) (kBlockM rows), each as 64-column chunks
 // with the 128-byte swizzle; 2 x dS^T ([kBlockN keys][kBlockM queries], 128-byte rows, the same
-// swizzle); per consumer the dQ_i tile (float32, two 32-column halves, the same swizzle); kStages x
+// swizzle); per consumer its dQ_i columns (float32, 32-column parts, the same swizzle); kStages x
 // (LSE_i log2 e, D_i); the mbarriers.
 #include "sm90.cuh"
 #include "mask.cuh"
