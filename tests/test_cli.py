@@ -454,3 +454,43 @@ def test_check_gpu():
 def test_check_all_variants_gpu():
     result = invoke("check")
     assert result.exit_code == 0, result.output
+
+
+def test_time_step_warms_up_for_a_while_then_times_each_call():
+    """At least `warmup` untimed calls and at least WARMUP_SECONDS of them (the GPU's clocks come back
+    after an idle compile), then `repeats` calls between events; the median of their times."""
+    import time
+
+    class FakeEvent:
+        def __init__(self, clock):
+            self.clock, self.t = clock, None
+
+        def record(self):
+            self.t = self.clock[0]
+
+    class FakeRuntime:
+        def __init__(self):
+            self.clock, self.syncs = [0.0], 0
+
+        def event(self):
+            return FakeEvent(self.clock)
+
+        def elapsed_ms(self, start, end):
+            return end.t - start.t
+
+        def synchronize(self):
+            self.syncs += 1
+
+    runtime, calls = FakeRuntime(), []
+
+    def step():  # 2 ms of "GPU time" per call, by a clock the events read
+        calls.append(time.perf_counter())
+        runtime.clock[0] += 2.0
+
+    t0 = time.perf_counter()
+    first_ms, ms = bench.time_step(step, runtime, repeats=5, warmup=3)
+    untimed = len(calls) - 1 - 5
+    assert untimed >= 3 and calls[-6] - calls[1] >= bench.WARMUP_SECONDS / 2  # calls, not one wait
+    assert time.perf_counter() - t0 >= bench.WARMUP_SECONDS
+    assert ms == 2.0 and first_ms >= 0
+    assert runtime.syncs >= untimed // 8  # the host does not run far ahead of the GPU while warming
