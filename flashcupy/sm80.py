@@ -265,11 +265,14 @@ CONVERT_THREADS = 256
 
 
 def plan_backward(variant: BwdVariant, batch: int, nheads: int, seqlen_q: int, seqlen_k: int,
-                  nheads_k: int | None = None, rows_q: int | None = None, rows_k: int | None = None) -> BackwardPlans:
+                  nheads_k: int | None = None, rows_q: int | None = None, rows_k: int | None = None,
+                  q_block: int | None = None) -> BackwardPlans:
     """seqlen_q, seqlen_k: the (longest) sequence lengths, which size the main grid; rows_q, rows_k:
     the rows of q and of k in memory (batch * seqlen when padded, the packed totals for varlen),
-    which the row-wise helpers run over."""
+    which the row-wise helpers run over. q_block: the main kernel's q rows per deterministic-mode
+    semaphore when another family's main kernel runs between these helpers (default this tile's)."""
     tile = variant.tile
+    q_block = tile.block_m if q_block is None else q_block
     nheads_k = nheads if nheads_k is None else nheads_k
     rows_q = batch * seqlen_q if rows_q is None else rows_q
     rows_k = batch * seqlen_k if rows_k is None else rows_k
@@ -282,7 +285,7 @@ def plan_backward(variant: BwdVariant, batch: int, nheads: int, seqlen_q: int, s
         main=LaunchPlan((main, 1, 1), (tile.threads, 1, 1), variant.smem_bytes),
         convert_dq=LaunchPlan((convert, 1, 1), (CONVERT_THREADS, 1, 1), 0),
         group_sum=LaunchPlan((group_sum, 2, 1), (CONVERT_THREADS, 1, 1), 0),
-        semaphores=(batch, nheads, -(-seqlen_q // tile.block_m)),
+        semaphores=(batch, nheads, -(-seqlen_q // q_block)),
     )
 
 
@@ -385,7 +388,7 @@ def run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv, q_b
     """A backward around a family's main kernel: the preprocess (D, dq_accum = 0), main((BwdParams
     record,), plans, dq_accum) (dK, dV; dQ into dq_accum), the dQ conversion and, under GQA, the group sum;
     dq, dk, dv written, D returned (laid out as the LSE). The helpers are this family's kernels.
-    q_block: the main kernel's q rows per deterministic-mode semaphore (default this family's tile's)."""
+    q_block: the main kernel's q rows per deterministic-mode semaphore (plan_backward)."""
     import cupy
 
     p = problem
@@ -396,11 +399,10 @@ def run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv, q_b
     rows_batch, rows_q, rows_k = (1, q.shape[0], k.shape[0]) if p.is_varlen else (
         p.batch, p.max_seqlen_q, p.max_seqlen_k)
     plans = plan_backward(variant, p.batch, p.nheads, p.max_seqlen_q, p.max_seqlen_k, p.nheads_k,
-                          rows_q=rows_batch * rows_q, rows_k=rows_batch * rows_k)
+                          rows_q=rows_batch * rows_q, rows_k=rows_batch * rows_k, q_block=q_block)
     delta = cupy.empty(lse.shape, cupy.float32)
     dq_accum = cupy.empty((*q.shape[:-1], p.head_dim), cupy.float32)
-    semaphores = plans.semaphores if q_block is None else (p.batch, p.nheads, -(-p.max_seqlen_q // q_block))
-    semaphore = cupy.zeros(semaphores, cupy.int32) if p.options.deterministic else None
+    semaphore = cupy.zeros(plans.semaphores, cupy.int32) if p.options.deterministic else None
     # Under GQA the main kernel writes dK, dV per query head; the group sum adds each group.
     per_head_shape = (*k.shape[:-2], p.nheads, p.head_dim)
     dk_heads = cupy.empty(per_head_shape, q.dtype) if p.is_gqa else dk

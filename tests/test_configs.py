@@ -39,6 +39,8 @@ def test_backward_plans_cover_rows_and_keys():
     assert plans.preprocess.grid[0] * sm80.PREPROCESS_ROWS_PER_BLOCK >= 3 * 5 * 1000
     assert plans.convert_dq.grid[0] * sm80.CONVERT_THREADS * 8 >= 3 * 1000 * 5 * 128
     assert plans.semaphores == (3, 5, -(-1000 // v.tile.block_m))
+    # another family's main kernel between these helpers: its q block sizes the semaphores
+    assert sm80.plan_backward(v, batch=3, nheads=5, seqlen_q=1000, seqlen_k=777, q_block=48).semaphores == (3, 5, 21)
     # GQA 5 -> 1 kv head; varlen: helpers run over the packed rows, the main grid over the longest sequence
     packed = sm80.plan_backward(v, batch=3, nheads=5, seqlen_q=1000, seqlen_k=777, nheads_k=1, rows_q=1500,
                                   rows_k=1200)
