@@ -16,8 +16,7 @@ import numpy as np
 from . import build, sm80
 from .configs import cpp_bool, mask_flags
 from .launch import LaunchPlan, grid_blocks
-from .registry import Family
-from .sm90_fwd import ARCH, NVRTC_OPTIONS, _map_of, args_with_maps, hopper_unsupported
+from .sm90_fwd import ARCH, NVRTC_OPTIONS, HopperFamily, args_with_maps, hopper_unsupported, tensor_map_of
 
 HEAD_DIMS = (64, 128)
 BLOCK_M = 64    # queries per step: one 128-byte row of dS^T per key
@@ -77,14 +76,9 @@ def pack_args(bwd_record: bytes, maps) -> np.void:
     return args_with_maps(bwd_record, ARGS_TMA_OFFSET, maps)
 
 
-class Sm90Backward(Family):
-    name = "sm90"
+class Sm90Backward(HopperFamily):
     direction = "bwd"
-    archs = (ARCH,)
     summary = "FlashAttention-2 backward on TMA, wgmma and a producer warpgroup (cuda_src/bwd_sm90.cu)"
-
-    def runs_on(self, capability):
-        return capability == 90
 
     def unsupported(self, problem, device):
         return hopper_unsupported(problem, device, HEAD_DIMS,
@@ -101,20 +95,17 @@ class Sm90Backward(Family):
         return [variant(d, dt, m, det, mod) for d in head_dims if d in HEAD_DIMS for dt in dtypes for m in masks
                 for det in deterministic for mod in score_mods]
 
-    def ci_cases(self) -> list:
-        return [(v, ARCH) for v in self.variants(90)]
-
     def run(self, problem, device, dout, q, k, v, out, lse, dq, dk, dv):
         """dq, dk, dv written; returns D = rowsum(dO * O), laid out as the LSE."""
         var = self.variant(problem, device)
         blocks = grid_blocks(-(-problem.max_seqlen_k // BLOCK_N) * problem.nheads * problem.batch,
                              "the backward's key blocks")
         plan = LaunchPlan((blocks, 1, 1), (THREADS, 1, 1), var.smem_bytes)
-        maps = (_map_of(q, problem.dtype, BLOCK_M), _map_of(k, problem.dtype, BLOCK_N),
-                _map_of(v, problem.dtype, BLOCK_N), _map_of(dout, problem.dtype, BLOCK_M))
+        maps = (tensor_map_of(q, problem.dtype, BLOCK_M), tensor_map_of(k, problem.dtype, BLOCK_N),
+                tensor_map_of(v, problem.dtype, BLOCK_N), tensor_map_of(dout, problem.dtype, BLOCK_M))
 
         def main(args, plans, dq_accum):
-            kernel_args = pack_args(args[0].tobytes(), maps + (_map_of(dq_accum, "float32", BLOCK_M),))
+            kernel_args = pack_args(args[0].tobytes(), maps + (tensor_map_of(dq_accum, "float32", BLOCK_M),))
             build.get_kernel(var)(plan.grid, plan.block, (kernel_args,), shared_mem=plan.smem_bytes)
 
         return sm80.run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv, q_block=BLOCK_M)

@@ -80,8 +80,9 @@ class Sm90FwdVariant:
     @property
     def name_expression(self) -> str:
         t = self.tile
-        return (f"flash_fwd_sm90_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}, {cpp_bool(t.ping_pong)}, {cpp_bool(t.advance_descs)}, {mask_flags(self.mask)}, "
-                f"{cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.score_mod)}>")
+        return (f"flash_fwd_sm90_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}, {cpp_bool(t.ping_pong)}, "
+                f"{cpp_bool(t.advance_descs)}, {mask_flags(self.mask)}, {cpp_bool(self.dtype == 'bfloat16')}, "
+                f"{cpp_bool(self.score_mod)}>")
 
     @property
     def smem_bytes(self) -> int:
@@ -140,7 +141,7 @@ def tensor_map(ptr: int, dtype: str, shape: tuple, strides: tuple, box_rows: int
     return ctypes.string_at(tmap.getPtr(), TMA_BYTES)
 
 
-def _map_of(array, dtype: str, box_rows: int) -> bytes:
+def tensor_map_of(array, dtype: str, box_rows: int) -> bytes:
     """The tensor map of a (batch, seqlen, heads, headdim) array, or of a packed varlen
     (total, heads, headdim) one as a single batch entry."""
     itemsize = array.dtype.itemsize
@@ -236,14 +237,22 @@ def hopper_unsupported(problem, device, head_dims, smem_bytes) -> str | None:
     return _bindings_missing()
 
 
-class Sm90Forward(Family):
+class HopperFamily(Family):
+    """What the sm90 families share: they run on compute capability 9.0 only, and CI compiles each
+    of their variants for sm_90a."""
     name = "sm90"
-    direction = "fwd"
     archs = (ARCH,)
-    summary = "FlashAttention-3 forward: TMA, wgmma, producer/consumer warpgroups (cuda_src/fwd_sm90.cu)"
 
     def runs_on(self, capability):
         return capability == 90
+
+    def ci_cases(self) -> list:
+        return [(v, ARCH) for v in self.variants(90)]
+
+
+class Sm90Forward(HopperFamily):
+    direction = "fwd"
+    summary = "FlashAttention-3 forward: TMA, wgmma, producer/consumer warpgroups (cuda_src/fwd_sm90.cu)"
 
     def unsupported(self, problem, device):
         return hopper_unsupported(problem, device, HEAD_DIMS,
@@ -259,9 +268,6 @@ class Sm90Forward(Family):
         return [variant(d, dt, m, mod) for d in head_dims if d in HEAD_DIMS for dt in dtypes for m in masks
                 for mod in score_mods]
 
-    def ci_cases(self) -> list:
-        return [(v, ARCH) for v in self.variants(90)]
-
     def run(self, problem, device, q, k, v, out, lse) -> None:
         var = self.variant(problem, device)
         tile = var.tile
@@ -270,7 +276,7 @@ class Sm90Forward(Family):
         blocks, counter = schedule(num_tiles, var.mask, device)
         plan = LaunchPlan((blocks, 1, 1), (tile.threads, 1, 1), var.smem_bytes)
         record = params.pack("FwdParams", params.fwd_values(problem, q, k, v, out, lse))
-        maps = (_map_of(q, problem.dtype, tile.block_m), _map_of(k, problem.dtype, tile.block_n),
-                _map_of(v, problem.dtype, tile.block_n))
+        maps = (tensor_map_of(q, problem.dtype, tile.block_m), tensor_map_of(k, problem.dtype, tile.block_n),
+                tensor_map_of(v, problem.dtype, tile.block_n))
         args = pack_args(record, section_heads(problem, var.mask), counter, maps)
         build.get_kernel(var)(plan.grid, plan.block, (args,), shared_mem=plan.smem_bytes)
