@@ -34,6 +34,8 @@
 #include "warp_mma.cuh"
 #include "params.cuh"
 
+constexpr float kLog2e = 1.4426950408889634f;
+
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
 struct Sm90BwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
@@ -90,7 +92,6 @@ struct Sm90ScoreModProbs {
 
     template <bool kSoftcap, bool kAlibi>
     FC_DEVICE void run() {
-        constexpr float kLog2e = 1.4426950408889634f;
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
             float dcap[2][4];
@@ -130,7 +131,6 @@ __global__ void __launch_bounds__(128 * (1 + kBlockN / 64), 1)
 flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
     using T = Sm90BwdTraits<kHeadDim, kBlockM, kBlockN, kStages>;
     const BwdParams& p = args.p;
-    constexpr float kLog2e = 1.4426950408889634f;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_u32(smem_raw) + 1023) & ~1023u;
     const u32 sK = smem, sV = smem + T::kOffV, sQ = smem + T::kOffQ, sdO = smem + T::kOffDO, sdS = smem + T::kOffDS;
