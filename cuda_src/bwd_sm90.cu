@@ -285,28 +285,36 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         float acc_s[1][kBlockM / 8][4], acc_dp[1][kBlockM / 8][4];  // S^T, dP^T: 64 keys x kBlockM queries
         float(&s_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(acc_s);
         float(&dp_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(acc_dp);
-        // acc = A B^T over the head dim, A this warpgroup's 64 rows of K or V, B kBlockM rows of Q or dO
-        auto issue_ss = [&](float (&acc)[kBlockM / 2], u32 sA, u32 sB) {
+        // acc = A B^T over the head dim, A this warpgroup's 64 rows of K or V, B kBlockM rows of Q or dO;
+        // each k step's descriptors are the tiles' advanced by constants
+        auto issue_ss = [&](float (&acc)[kBlockM / 2], u64 desc_a, u64 desc_b) {
 #pragma unroll
             for (int ks = 0; ks < kHeadDim / 16; ++ks) {
                 const u32 chunk = ks / 4, col_bytes = (ks % 4) * 32;
-                Wgmma<kBlockM, Is_bf16>::ss(acc, gmma_desc(sA + chunk * kBlockN * 128 + col_bytes, 16, 1024),
-                                            gmma_desc(sB + chunk * kBlockM * 128 + col_bytes, 16, 1024), ks > 0);
+                Wgmma<kBlockM, Is_bf16>::ss(acc, gmma_desc_advance(desc_a, chunk * kBlockN * 128 + col_bytes),
+                                            gmma_desc_advance(desc_b, chunk * kBlockM * 128 + col_bytes), ks > 0);
             }
             wgmma_commit();
         };
         mbar_wait(q_full(s), (it / kStages) & 1);
         wgmma_fence();
         // K_j and V_j do not change; their descriptors are rebuilt each step (in_place), not held
-        issue_ss(s_flat, in_place(sK_wg), sQ_s);
-        issue_ss(dp_flat, in_place(sV_wg), sdO_s);
+        issue_ss(s_flat, gmma_desc(in_place(sK_wg), 16, 1024), gmma_desc(sQ_s, 16, 1024));
+        issue_ss(dp_flat, gmma_desc(in_place(sV_wg), 16, 1024), gmma_desc(sdO_s, 16, 1024));
+        // this stage's LSE_i log2 e, then D_i; a thread's two queries in a tile are adjacent (one
+        // float2). LSE_i is read while the wgmmas run, D_i after P^T.
+        const float* lse_s = sLse + s * 2 * kBlockM;
+        float2 lse2[kBlockM / 8], dsum2[kBlockM / 8];
+        if constexpr (!Has_score_mod) {
+#pragma unroll
+            for (int nt = 0; nt < kBlockM / 8; ++nt) lse2[nt] = *reinterpret_cast<const float2*>(lse_s + 8 * nt + 2 * t);
+        }
         wgmma_wait<1>();  // S^T done; dP^T still running
         fence_regs(s_flat);
 
         // P^T in place of S^T and a_p, P^T in the input dtype (dV's A operand); then dS^T in place of dP^T
         const bool needs_mask = q0 + kBlockM > seqlen_q || key0 + kBlockN > seqlen_k ||
                                 ((Is_causal || Is_local) && mask.tile_needs_mask(q0, n_block));
-        const float* lse_s = sLse + s * 2 * kBlockM;  // this stage's LSE_i log2 e, then D_i
         u32 a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
         if constexpr (Has_score_mod) {
             Sm90ScoreModProbs<kBlockM, kBlockN, Is_causal, Is_local, Is_bf16> probs{
@@ -315,12 +323,10 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         } else {  // element e of tile nt is key key_w0 + g + 8 (e / 2), query q0 + 8 nt + 2 t + e % 2
 #pragma unroll
             for (int nt = 0; nt < kBlockM / 8; ++nt) {
-                // the two queries of a thread in a tile are adjacent: one float2 of LSE
-                const float2 lse2 = *reinterpret_cast<const float2*>(lse_s + 8 * nt + 2 * t);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int e1 = e % 2;
-                    float pr = fast_exp2(acc_s[0][nt][e] * p.scale_log2 - (e1 ? lse2.y : lse2.x));
+                    float pr = fast_exp2(acc_s[0][nt][e] * p.scale_log2 - (e1 ? lse2[nt].y : lse2[nt].x));
                     if (needs_mask) {
                         const int key = key0 + key_w0 + g + 8 * (e / 2), q = q0 + 8 * nt + 2 * t + e1;
                         if (key >= seqlen_k || q >= seqlen_q || mask.hidden(q, key)) pr = 0.f;
@@ -332,20 +338,22 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
             for (int kk = 0; kk < kBlockM / 16; ++kk) acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
         }
         // dV += P^T dO_i, queued behind dP^T
+        const u64 desc_do_n = gmma_desc(sdO_s, kBlockM * 128, 1024);
         fence_regs(acc_dv);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk)
-            Wgmma<kHeadDim, Is_bf16>::rs(acc_dv, a_p[kk], gmma_desc(sdO_s + kk * 2048, kBlockM * 128, 1024));
+            Wgmma<kHeadDim, Is_bf16>::rs(acc_dv, a_p[kk], gmma_desc_advance(desc_do_n, kk * 2048));
         wgmma_commit();
         wgmma_wait<1>();  // dP^T done
         fence_regs(dp_flat);
 #pragma unroll
-        for (int nt = 0; nt < kBlockM / 8; ++nt) {
-            const float2 dsum = *reinterpret_cast<const float2*>(lse_s + kBlockM + 8 * nt + 2 * t);
+        for (int nt = 0; nt < kBlockM / 8; ++nt) dsum2[nt] = *reinterpret_cast<const float2*>(lse_s + kBlockM + 8 * nt + 2 * t);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dp[0][nt][e] = acc_s[0][nt][e] * (acc_dp[0][nt][e] - (e % 2 ? dsum.y : dsum.x));
-        }
+        for (int nt = 0; nt < kBlockM / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                acc_dp[0][nt][e] = acc_s[0][nt][e] * (acc_dp[0][nt][e] - (e % 2 ? dsum2[nt].y : dsum2[nt].x));
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) acc_to_a_frag<Is_bf16>(acc_dp[0][2 * kk], acc_dp[0][2 * kk + 1], a_ds[kk]);
         // dS^T to shared memory: row key (128 bytes), 16-byte unit nt swizzled with the row's low
@@ -366,35 +374,42 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         // columns); K's columns col0.. start (col0 % 64) * 2 bytes into a row of its 64-column chunk
         constexpr int kDQCols = T::kDQCols;
         const int col0 = consumer * kDQCols;
-        const u32 sK_dq = in_place(sK + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2);
+        const u64 desc_k_dq = gmma_desc(in_place(sK + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2), kBlockN * 128, 1024);
+        const u64 desc_ds = gmma_desc(sdS_b, kBlockN * 128, 1024);
         float acc_dq[kDQCols / 2];
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk)
-            Wgmma<kDQCols, Is_bf16>::ss_tt(acc_dq, gmma_desc(sdS_b + kk * 2048, kBlockN * 128, 1024),
-                                           gmma_desc(sK_dq + kk * 2048, kBlockN * 128, 1024), kk > 0);
+            Wgmma<kDQCols, Is_bf16>::ss_tt(acc_dq, gmma_desc_advance(desc_ds, kk * 2048),
+                                           gmma_desc_advance(desc_k_dq, kk * 2048), kk > 0);
         wgmma_commit();
         // dK += dS^T Q_i
+        const u64 desc_q_n = gmma_desc(sQ_s, kBlockM * 128, 1024);
         fence_regs(acc_dk);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk)
-            Wgmma<kHeadDim, Is_bf16>::rs(acc_dk, a_ds[kk], gmma_desc(sQ_s + kk * 2048, kBlockM * 128, 1024));
+            Wgmma<kHeadDim, Is_bf16>::rs(acc_dk, a_ds[kk], gmma_desc_advance(desc_q_n, kk * 2048));
         wgmma_commit();
         wgmma_wait<1>();  // dV, dQ_i done
         fence_regs(acc_dv);
         fence_regs(acc_dq);
         // dQ_i to this warpgroup's tile, rows 16 warp + g + 8 h, columns 8 nt + 2 t + e1: column
         // part nt / 4, its 16-byte unit 2 (nt % 4) + t / 2 swizzled with the row's low three bits
-        // (g): the address of unit (t / 2) ^ g, XOR (nt % 4) << 5.
+        // (g): the address of unit (t / 2) ^ g, XOR (nt % 4) << 5. Rows g and g ^ 1 would store to
+        // the same banks at once, so odd rows store tile nt ^ 2 where even ones store tile nt (the
+        // half-warp's 64 stores then cover the 32 banks once).
+        const bool odd = g & 1;
         const u32 dq_row = in_place(smem + T::kOffDQ + consumer * T::kDQBytes + (16 * warp + g) * 128 +
-                                    (((t >> 1) ^ g) << 4) + 8 * (t & 1));
+                                    (((((t >> 1) ^ g) << 4) + 8 * (t & 1)) ^ (odd << 6)));
         named_bar_sync(T::kBarDQEmpty + consumer, T::kDQHandoff);
 #pragma unroll
         for (int nt = 0; nt < kDQCols / 8; ++nt)
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
+            for (int h = 0; h < 2; ++h) {
+                const int even_i = 4 * nt + 2 * h, odd_i = 4 * (nt ^ 2) + 2 * h;
                 st_shared_f32x2(((dq_row + h * 8 * 128) ^ ((nt % 4) << 5)) + (nt / 4) * T::kDQPartBytes,
-                                acc_dq[4 * nt + 2 * h], acc_dq[4 * nt + 2 * h + 1]);
+                                odd ? acc_dq[odd_i] : acc_dq[even_i], odd ? acc_dq[odd_i + 1] : acc_dq[even_i + 1]);
+            }
         fence_proxy_async_shared();  // visible to the TMA reduction
         named_bar_arrive(T::kBarDQFull + consumer, T::kDQHandoff);
         wgmma_wait<0>();  // dK done: Q_i, dO_i, a_ds free
