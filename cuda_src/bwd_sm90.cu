@@ -50,11 +50,14 @@ struct Sm90BwdTraits {
     static constexpr int kChunk = 64, kChunks = kHeadDim / kChunk;
     static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
     static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // Q or dO, one stage
-    static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // dS^T, one buffer
-    // dQ_i: each consumer kDQCols of the columns over all the block's keys, staged as float32 in
-    // 32-column parts (128-byte rows)
-    static constexpr int kDQCols = kHeadDim / kConsumerWGs, kDQPartCols = 32, kDQParts = kDQCols / kDQPartCols;
-    static constexpr int kDQPartBytes = kBlockM * kDQPartCols * 4, kDQBytes = kDQParts * kDQPartBytes;
+    static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // dS^T, one buffer (kBlockM / 64 chunks)
+    // dQ_i: each consumer a 64 x kDQCols tile over all the block's keys, staged as float32 in 32-column
+    // parts (128-byte rows): with 64 queries, all of them and half of the columns; with 128, its half
+    // of the queries (kDQSplitRows) and all columns
+    static constexpr bool kDQSplitRows = kBlockM == 128;
+    static constexpr int kDQRows = 64, kDQCols = kDQSplitRows ? kHeadDim : kHeadDim / kConsumerWGs;
+    static constexpr int kDQPartCols = 32, kDQParts = kDQCols / kDQPartCols;
+    static constexpr int kDQPartBytes = kDQRows * kDQPartCols * 4, kDQBytes = kDQParts * kDQPartBytes;
     static constexpr int kOffV = kKVBytes;
     static constexpr int kOffQ = 2 * kKVBytes;
     static constexpr int kOffDO = kOffQ + kStages * kQBytes;
@@ -63,13 +66,14 @@ struct Sm90BwdTraits {
     static constexpr int kOffLse = kOffDQ + kConsumerWGs * kDQBytes;  // per stage LSE_i log2 e, then D_i
     static constexpr int kOffBar = kOffLse + kStages * 2 * kBlockM * 4;
     static constexpr int kBarriers = 1 + 2 * kStages;  // K and V full; per stage Q, dO, LSE, D full, empty
-    static constexpr int kStageLoaders = kBlockM;      // producer threads that copy a stage's LSE and D
+    static constexpr int kStageLoaders = 64;           // producer threads that copy a stage's LSE and D
     static constexpr int kSmemBytes = kOffBar + kBarriers * 8 + 1024;
     // Named barriers: dS^T written (both consumers read all of it), then per consumer its dQ tile
     // written (to warp 3) and read (from warp 3).
     static constexpr int kBarDS = 1, kBarDQFull = 2, kBarDQEmpty = 4, kDQHandoff = 128 + 32;
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 (dQ: 64 x 32 or 64 x 64 per warpgroup)");
-    static_assert(kBlockM == 64, "q blocks of 64: one 128-byte row of dS^T per key (and two copier warps)");
+    static_assert(kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64),
+                  "q blocks of 64 (128 at head dim 64: S^T and dP^T take 64 registers each)");
     static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys");
 };
 
@@ -168,20 +172,29 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
 
     if (warpgroup == 0) {  // ---- producer ----
         regs_release<T::kProducerRegs>();
-        // Warps 1 and 2 copy LSE (in log2 units; +inf where P must be 0) and D, row r each; thread 0,
-        // in warp 0, issues the TMA loads (the copiers wait for stages to empty: not its warp).
+        // Warps 1 and 2 copy LSE (in log2 units; +inf where P must be 0) and D, rows r + 64 j; thread
+        // 0, in warp 0, issues the TMA loads (the copiers wait for stages to empty: not its warp).
         const int r = tid - 32;
         if (r >= 0 && r < T::kStageLoaders) {
+            constexpr int kRows = kBlockM / T::kStageLoaders;
             const float* gLse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_start;
             const float* gDelta = p.delta + batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_start;
             for (int it = 0; it < m_count; ++it) {
-                const int s = it % kStages, q = (m_block_min + it) * kBlockM + r;
+                const int s = it % kStages;
                 float* stage = reinterpret_cast<float*>(smem_raw + (smem - smem_u32(smem_raw)) + T::kOffLse) + s * 2 * kBlockM;
-                const float l = q < seqlen_q ? gLse[q] : FC_INF;  // past the queries: P = 0
-                const float d = q < seqlen_q ? gDelta[q] : 0.f;
+                float l[kRows], d[kRows];
+#pragma unroll
+                for (int j = 0; j < kRows; ++j) {
+                    const int q = (m_block_min + it) * kBlockM + r + 64 * j;
+                    l[j] = q < seqlen_q ? gLse[q] : FC_INF;  // past the queries: P = 0
+                    d[j] = q < seqlen_q ? gDelta[q] : 0.f;
+                }
                 mbar_wait(q_empty(s), ((it / kStages) & 1) ^ 1);
-                stage[r] = l == -FC_INF ? FC_INF : l * kLog2e;  // a row without keys: P = 0, not NaN
-                stage[kBlockM + r] = d;
+#pragma unroll
+                for (int j = 0; j < kRows; ++j) {
+                    stage[r + 64 * j] = l[j] == -FC_INF ? FC_INF : l[j] * kLog2e;  // a row without keys: P = 0, not NaN
+                    stage[kBlockM + r + 64 * j] = d[j];
+                }
                 mbar_arrive(q_full(s));
             }
         }
@@ -241,8 +254,9 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
                         const u32 tile = smem + T::kOffDQ + c * T::kDQBytes;
 #pragma unroll
                         for (int h = 0; h < T::kDQParts; ++h)
-                            tma_reduce_add_4d(&args.dq_accum, tile + h * T::kDQPartBytes, c * T::kDQCols + h * T::kDQPartCols,
-                                              q_row, head, dq_batch);
+                            tma_reduce_add_4d(&args.dq_accum, tile + h * T::kDQPartBytes,
+                                              (T::kDQSplitRows ? 0 : c * T::kDQCols) + h * T::kDQPartCols,
+                                              q_row + (T::kDQSplitRows ? c * T::kDQRows : 0), head, dq_batch);
                         bulk_commit();
                     }
                 }
@@ -302,10 +316,12 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         issue_ss(s_flat, gmma_desc(in_place(sK_wg), 16, 1024), gmma_desc(sQ_s, 16, 1024));
         issue_ss(dp_flat, gmma_desc(in_place(sV_wg), 16, 1024), gmma_desc(sdO_s, 16, 1024));
         // this stage's LSE_i log2 e, then D_i; a thread's two queries in a tile are adjacent (one
-        // float2). LSE_i is read while the wgmmas run, D_i after P^T.
+        // float2). With 64 queries LSE_i is read while the wgmmas run (with 128 there are no
+        // registers for it), D_i after P^T.
         const float* lse_s = sLse + s * 2 * kBlockM;
+        constexpr bool kLseEarly = !Has_score_mod && kBlockM == 64;
         float2 lse2[kBlockM / 8], dsum2[kBlockM / 8];
-        if constexpr (!Has_score_mod) {
+        if constexpr (kLseEarly) {
 #pragma unroll
             for (int nt = 0; nt < kBlockM / 8; ++nt) lse2[nt] = *reinterpret_cast<const float2*>(lse_s + 8 * nt + 2 * t);
         }
@@ -323,6 +339,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         } else {  // element e of tile nt is key key_w0 + g + 8 (e / 2), query q0 + 8 nt + 2 t + e % 2
 #pragma unroll
             for (int nt = 0; nt < kBlockM / 8; ++nt) {
+                if constexpr (!kLseEarly) lse2[nt] = *reinterpret_cast<const float2*>(lse_s + 8 * nt + 2 * t);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int e1 = e % 2;
@@ -337,15 +354,23 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
 #pragma unroll
             for (int kk = 0; kk < kBlockM / 16; ++kk) acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
         }
-        // dV += P^T dO_i, queued behind dP^T
+        // dV += P^T dO_i, queued behind dP^T with 64 queries; with 128 after dS^T (registers)
         const u64 desc_do_n = gmma_desc(sdO_s, kBlockM * 128, 1024);
-        fence_regs(acc_dv);
-        wgmma_fence();
+        auto issue_dv = [&] {
+            fence_regs(acc_dv);
+            wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-            Wgmma<kHeadDim, Is_bf16>::rs(acc_dv, a_p[kk], gmma_desc_advance(desc_do_n, kk * 2048));
-        wgmma_commit();
-        wgmma_wait<1>();  // dP^T done
+            for (int kk = 0; kk < kBlockM / 16; ++kk)
+                Wgmma<kHeadDim, Is_bf16>::rs(acc_dv, a_p[kk], gmma_desc_advance(desc_do_n, kk * 2048));
+            wgmma_commit();
+        };
+        constexpr bool kDVFirst = kBlockM == 64;
+        if constexpr (kDVFirst) {
+            issue_dv();
+            wgmma_wait<1>();  // dP^T done
+        } else {
+            wgmma_wait<0>();
+        }
         fence_regs(dp_flat);
 #pragma unroll
         for (int nt = 0; nt < kBlockM / 8; ++nt) dsum2[nt] = *reinterpret_cast<const float2*>(lse_s + kBlockM + 8 * nt + 2 * t);
@@ -356,26 +381,29 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
                 acc_dp[0][nt][e] = acc_s[0][nt][e] * (acc_dp[0][nt][e] - (e % 2 ? dsum2[nt].y : dsum2[nt].x));
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) acc_to_a_frag<Is_bf16>(acc_dp[0][2 * kk], acc_dp[0][2 * kk + 1], a_ds[kk]);
-        // dS^T to shared memory: row key (128 bytes), 16-byte unit nt swizzled with the row's low
-        // three bits (g): the address of unit g, XOR nt << 4. Two buffers: the other warpgroup may
-        // still read the last q block's (its dQ wgmma), not the one before, which it finished
-        // before the last dS^T barrier.
+        // dS^T to shared memory in chunks of 64 queries ([kBlockN keys][64], 128-byte rows): chunk
+        // nt / 8, row key, 16-byte unit nt % 8 swizzled with the row's low three bits (g): the
+        // address of unit g, XOR (nt % 8) << 4. Two buffers: the other warpgroup may still read the
+        // last q block's (its dQ wgmma), not the one before, which it finished before the last dS^T
+        // barrier.
         const u32 ds_row = in_place(sdS_b + (key_w0 + g) * 128 + (g << 4) + 4 * t);
 #pragma unroll
         for (int nt = 0; nt < kBlockM / 8; ++nt)
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-                st_shared_u32((ds_row + h * 8 * 128) ^ (nt << 4),
+                st_shared_u32(((ds_row + h * 8 * 128) ^ ((nt % 8) << 4)) + (nt / 8) * kBlockN * 128,
                               pack_f32x2<Is_bf16>(acc_dp[0][nt][2 * h], acc_dp[0][nt][2 * h + 1]));
+        if constexpr (!kDVFirst) issue_dv();
         fence_proxy_async_shared();  // dS^T visible to the wgmma (async proxy)
         named_bar_sync(T::kBarDS, T::kConsumers);
 
-        // dQ_i (kBlockM queries x kDQCols columns from col0) = dS (queries x keys) K (keys x
-        // columns); K's columns col0.. start (col0 % 64) * 2 bytes into a row of its 64-column chunk
+        // dQ_i (64 queries from row0 x kDQCols columns from col0) = dS (queries x keys) K (keys x
+        // columns); K's columns col0.. start (col0 % 64) * 2 bytes into a row of its 64-column
+        // chunk, the queries row0.. are dS^T's chunk row0 / 64
         constexpr int kDQCols = T::kDQCols;
-        const int col0 = consumer * kDQCols;
+        const int col0 = T::kDQSplitRows ? 0 : consumer * kDQCols, row0 = T::kDQSplitRows ? consumer * 64 : 0;
         const u64 desc_k_dq = gmma_desc(in_place(sK + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2), kBlockN * 128, 1024);
-        const u64 desc_ds = gmma_desc(sdS_b, kBlockN * 128, 1024);
+        const u64 desc_ds = gmma_desc(sdS_b + (row0 / 64) * kBlockN * 128, kBlockN * 128, 1024);
         float acc_dq[kDQCols / 2];
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk)

@@ -19,18 +19,26 @@ from .launch import LaunchPlan, grid_blocks
 from .sm90_fwd import ARCH, NVRTC_OPTIONS, HopperFamily, args_with_maps, hopper_unsupported, tensor_map_of
 
 HEAD_DIMS = (64, 128)
-BLOCK_M = 64    # queries per step: one 128-byte row of dS^T per key
 BLOCK_N = 128   # keys per thread block: two consumer warpgroups of 64
-STAGES = {64: 4, 128: 2}  # Q, dO stages by head dim (measured best; 3 at d=128 was level)
+# Q, dO stages by (head dim, queries per step): 3 at d=128 measured level with 2, 4 at d=64 and 64
+# queries 1-7% faster than 2; with 128 queries at d=64, 2 fill shared memory
+STAGES = {(64, 128): 2, (64, 64): 4, (128, 64): 2}
+DQ_ROWS = 64    # rows of a consumer's dQ tile (dq_accum's TMA box)
 THREADS = 128 * (1 + BLOCK_N // 64)
 ARGS_TMA_OFFSET = 512  # Sm90BwdArgs: BwdParams, then the q, k, v, dout, dq_accum tensor maps
 
 
-def smem_bytes(head_dim: int, stages: int) -> int:
+def block_m(head_dim: int, score_mod: bool) -> int:
+    """Queries per step: 128 at head dim 64, where S^T and dP^T take 64 registers each; 64 at 128,
+    and with a score mod, whose registers do not fit beside them."""
+    return 128 if head_dim == 64 and not score_mod else 64
+
+
+def smem_bytes(head_dim: int, block_m: int, stages: int) -> int:
     """K, V, stages x (Q, dO), 2 x dS^T, the dQ tile (float32, split between the consumers), stages x
     (LSE, D), the mbarriers, 1024 bytes of alignment (Sm90BwdTraits)."""
-    return (2 * BLOCK_N * head_dim * 2 + 2 * stages * BLOCK_M * head_dim * 2 + 2 * BLOCK_N * BLOCK_M * 2
-            + BLOCK_M * head_dim * 4 + stages * 2 * BLOCK_M * 4 + (1 + 2 * stages) * 8 + 1024)
+    return (2 * BLOCK_N * head_dim * 2 + 2 * stages * block_m * head_dim * 2 + 2 * BLOCK_N * block_m * 2
+            + block_m * head_dim * 4 + stages * 2 * block_m * 4 + (1 + 2 * stages) * 8 + 1024)
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class Sm90BwdVariant:
     head_dim: int
     mask: str   # one of configs.MASKS
     dtype: str
+    block_m: int
     stages: int
     deterministic: bool
     score_mod: bool
@@ -47,20 +56,20 @@ class Sm90BwdVariant:
 
     @property
     def name_expression(self) -> str:
-        return (f"flash_bwd_sm90_kernel<{self.head_dim}, {BLOCK_M}, {BLOCK_N}, {self.stages}, {mask_flags(self.mask)}, "
+        return (f"flash_bwd_sm90_kernel<{self.head_dim}, {self.block_m}, {BLOCK_N}, {self.stages}, {mask_flags(self.mask)}, "
                 f"{cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.deterministic)}, "
                 f"{cpp_bool(self.score_mod)}>")
 
     @property
     def smem_bytes(self) -> int:
-        return smem_bytes(self.head_dim, self.stages)
+        return smem_bytes(self.head_dim, self.block_m, self.stages)
 
     @property
     def layout_check(self) -> str:
-        return build.smem_check(f"Sm90BwdTraits<{self.head_dim}, {BLOCK_M}, {BLOCK_N}, {self.stages}>", self)
+        return build.smem_check(f"Sm90BwdTraits<{self.head_dim}, {self.block_m}, {BLOCK_N}, {self.stages}>", self)
 
     def __str__(self) -> str:
-        return (f"bwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask} tile={BLOCK_M}x{BLOCK_N} "
+        return (f"bwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask} tile={self.block_m}x{BLOCK_N} "
                 f"stages={self.stages}" + (" deterministic" if self.deterministic else "")
                 + (" score_mod" if self.score_mod else ""))
 
@@ -68,7 +77,8 @@ class Sm90BwdVariant:
 def variant(head_dim: int, dtype: str, mask: str, deterministic: bool = False,
             score_mod: bool = False) -> Sm90BwdVariant:
     mask_flags(mask)  # validates
-    return Sm90BwdVariant(head_dim, mask, dtype, STAGES[head_dim], bool(deterministic), bool(score_mod))
+    block = block_m(head_dim, score_mod)
+    return Sm90BwdVariant(head_dim, mask, dtype, block, STAGES[head_dim, block], bool(deterministic), bool(score_mod))
 
 
 def pack_args(bwd_record: bytes, maps) -> np.void:
@@ -81,8 +91,7 @@ class Sm90Backward(HopperFamily):
     summary = "FlashAttention-2 backward on TMA, wgmma and a producer warpgroup (cuda_src/bwd_sm90.cu)"
 
     def unsupported(self, problem, device):
-        return hopper_unsupported(problem, device, HEAD_DIMS,
-                                  lambda: smem_bytes(problem.head_dim, STAGES[problem.head_dim]))
+        return hopper_unsupported(problem, device, HEAD_DIMS, lambda: self.variant(problem, device).smem_bytes)
 
     def variant(self, problem, device) -> Sm90BwdVariant:
         return variant(problem.head_dim, problem.dtype, problem.band.mask, problem.options.deterministic,
@@ -101,11 +110,11 @@ class Sm90Backward(HopperFamily):
         blocks = grid_blocks(-(-problem.max_seqlen_k // BLOCK_N) * problem.nheads * problem.batch,
                              "the backward's key blocks")
         plan = LaunchPlan((blocks, 1, 1), (THREADS, 1, 1), var.smem_bytes)
-        maps = (tensor_map_of(q, problem.dtype, BLOCK_M), tensor_map_of(k, problem.dtype, BLOCK_N),
-                tensor_map_of(v, problem.dtype, BLOCK_N), tensor_map_of(dout, problem.dtype, BLOCK_M))
+        maps = (tensor_map_of(q, problem.dtype, var.block_m), tensor_map_of(k, problem.dtype, BLOCK_N),
+                tensor_map_of(v, problem.dtype, BLOCK_N), tensor_map_of(dout, problem.dtype, var.block_m))
 
         def main(args, plans, dq_accum):
-            kernel_args = pack_args(args[0].tobytes(), maps + (tensor_map_of(dq_accum, "float32", BLOCK_M),))
+            kernel_args = pack_args(args[0].tobytes(), maps + (tensor_map_of(dq_accum, "float32", DQ_ROWS),))
             build.get_kernel(var)(plan.grid, plan.block, (kernel_args,), shared_mem=plan.smem_bytes)
 
-        return sm80.run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv, q_block=BLOCK_M)
+        return sm80.run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv, q_block=var.block_m)
