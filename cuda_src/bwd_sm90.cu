@@ -5,7 +5,7 @@
 // (flashcupy/sm90_bwd.py launches them around this one).
 //
 // A block holds key block j (kBlockN = 128 keys, 64 per consumer warpgroup, keys on the wgmma's M)
-// and walks the q blocks i of kBlockM = 64 queries that see it:
+// and walks the q blocks i of kBlockM queries that see it (64, or 128 at head dim 64):
 //   warpgroup 0, producer: warp 0 (one thread) loads K_j, V_j once, then Q_i and dO_i of each q
 //       block into a ring of kStages (full / empty mbarriers), by TMA; warps 1 and 2 copy LSE_i and
 //       D_i; warp 3 (one thread) adds each consumer's dQ_i tile from shared memory into dq_accum
@@ -14,18 +14,20 @@
 //       S^T = K_j Q_i^T, dP^T = V_j dO_i^T              // wgmma, all operands in shared memory
 //       P^T = exp2(S^T c - LSE_i log2 e)                // under dP^T's wgmma; masked where needed
 //       dS^T = P^T (dP^T - D_i) -> shared memory (two buffers, alternating)
-//       dV_j += P^T dO_i                                // wgmma, P^T from registers
+//       dV_j += P^T dO_i                                // wgmma, P^T from registers (with 64 queries
+//                                                       //   issued before dS^T, under dP^T)
 //       dQ_i = dS K_j                                   // wgmma, both operands transposed in smem
 //       dK_j += dS^T Q_i                                // wgmma, dS^T from registers, under dQ's store
 //       dQ_i -> shared memory, handed to warp 3;
-//     dQ_i per warpgroup: half of the columns over all the block's keys;
+//     dQ_i per warpgroup, over all the block's keys: with 64 queries half of the columns, with 128
+//     half of the queries;
 //   then dK_j *= softmax_scale; dK_j, dV_j to memory.
 // Has_score_mod instances take the raw scores to natural units before P^T (score_mod.cuh) and fold
 // the softcap's derivative into dS^T; Is_deterministic ones add each q block's dQ tiles in a fixed
 // key-block order (a semaphore per q block); a sink needs nothing here (it is in the LSE).
 // Shared memory: K, V (kBlockN rows), kStages x (Q, dO) (kBlockM rows), each as 64-column chunks
-// with the 128-byte swizzle; 2 x dS^T ([kBlockN keys][kBlockM queries], 128-byte rows, the same
-// swizzle); per consumer its dQ_i columns (float32, 32-column parts, the same swizzle); kStages x
+// with the 128-byte swizzle; 2 x dS^T (64-query chunks of [kBlockN keys][64], 128-byte rows, the
+// same swizzle); per consumer its dQ_i tile (float32, 32-column parts, the same swizzle); kStages x
 // (LSE_i log2 e, D_i); the mbarriers.
 #include "sm90.cuh"
 #include "mask.cuh"
