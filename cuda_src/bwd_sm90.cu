@@ -324,7 +324,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         float2 lse2[kBlockM / 8], dsum2[kBlockM / 8];
         if constexpr (kLseEarly) {
 #pragma unroll
-            for (int nt = 0; nt < kBlockM / 8; ++nt) lse2[nt] = *reinterpret_cast<const float2*>(lse_s + 8 * nt + 2 * t);
+            for (int nt = 0; nt < kBlockM / 8; ++nt)
+                lse2[nt] = *reinterpret_cast<const float2*>(lse_s + 8 * nt + 2 * t);
         }
         wgmma_wait<1>();  // S^T done; dP^T still running
         fence_regs(s_flat);
@@ -358,7 +359,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         wgmma_wait<0>();  // dP^T done
         fence_regs(dp_flat);
 #pragma unroll
-        for (int nt = 0; nt < kBlockM / 8; ++nt) dsum2[nt] = *reinterpret_cast<const float2*>(lse_s + kBlockM + 8 * nt + 2 * t);
+        for (int nt = 0; nt < kBlockM / 8; ++nt)
+            dsum2[nt] = *reinterpret_cast<const float2*>(lse_s + kBlockM + 8 * nt + 2 * t);
 #pragma unroll
         for (int nt = 0; nt < kBlockM / 8; ++nt)
 #pragma unroll
@@ -396,7 +398,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         // chunk, the queries row0.. are dS^T's chunk row0 / 64
         constexpr int kDQCols = T::kDQCols;
         const int col0 = T::kDQSplitRows ? 0 : consumer * kDQCols, row0 = T::kDQSplitRows ? consumer * 64 : 0;
-        const u64 desc_k_dq = gmma_desc(in_place(sK + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2), kBlockN * 128, 1024);
+        const u64 desc_k_dq =
+            gmma_desc(in_place(sK + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2), kBlockN * 128, 1024);
         const u64 desc_ds = gmma_desc(sdS_b + (row0 / 64) * kBlockN * 128, kBlockN * 128, 1024);
         float acc_dq[kDQCols / 2];
 #pragma unroll

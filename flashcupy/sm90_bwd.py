@@ -23,7 +23,7 @@ BLOCK_N = 128   # keys per thread block: two consumer warpgroups of 64
 # Q, dO stages by (head dim, queries per step): 3 at d=128 measured level with 2, 4 at d=64 and 64
 # queries 1-7% faster than 2; with 128 queries at d=64, 2 fill shared memory
 STAGES = {(64, 128): 2, (64, 64): 4, (128, 64): 2}
-DQ_ROWS = 64    # rows of a consumer's dQ tile (dq_accum's TMA box)
+DQ_ROWS = 64    # rows of a consumer's dQ tile, dq_accum's TMA box (Sm90BwdTraits::kDQRows)
 THREADS = 128 * (1 + BLOCK_N // 64)
 ARGS_TMA_OFFSET = 512  # Sm90BwdArgs: BwdParams, then the q, k, v, dout, dq_accum tensor maps
 
@@ -56,8 +56,8 @@ class Sm90BwdVariant:
 
     @property
     def name_expression(self) -> str:
-        return (f"flash_bwd_sm90_kernel<{self.head_dim}, {self.block_m}, {BLOCK_N}, {self.stages}, {mask_flags(self.mask)}, "
-                f"{cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.deterministic)}, "
+        return (f"flash_bwd_sm90_kernel<{self.head_dim}, {self.block_m}, {BLOCK_N}, {self.stages}, "
+                f"{mask_flags(self.mask)}, {cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.deterministic)}, "
                 f"{cpp_bool(self.score_mod)}>")
 
     @property

@@ -53,3 +53,16 @@ def test_backward_args_layout():
     assert len(args) == 1152 and args[:bwd_bytes] == record and args[bwd_bytes:512] == bytes(512 - bwd_bytes)
     for i, m in enumerate(maps):
         assert args[512 + 128 * i:640 + 128 * i] == m
+
+
+@pytest.mark.parametrize("head_dim, score_mod, block_m", [(64, False, 128), (64, True, 64), (128, False, 64),
+                                                          (128, True, 64)])
+def test_backward_query_steps(head_dim, score_mod, block_m):
+    """The sm90 backward's queries per step (its kernel template's kBlockM, the semaphores' q block
+    and the Q/dO boxes): 128 at head dim 64 unless a score mod needs the registers; every variant
+    fits the H100/H200's 227 KiB of shared memory per block."""
+    from flashcupy import sm90_bwd
+
+    v = sm90_bwd.variant(head_dim, "bfloat16", "causal", score_mod=score_mod)
+    assert v.block_m == block_m and f"<{head_dim}, {block_m}, 128, {v.stages}," in v.name_expression
+    assert f"tile={block_m}x128" in str(v) and v.smem_bytes <= 227 * 1024
