@@ -225,7 +225,6 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
             }
         }
         if (tid / 32 == 3 && m_count > 0) {  // warp 3: each consumer's dQ_i tile into dq_accum
-            const int dq_batch = p.cu_seqlens_q ? 0 : batch;
             // Deterministic: q block i's tiles are added in key-block order. The key blocks that
             // reach it are a contiguous range [key_begin, key_end) / kBlockN; its semaphore counts
             // those that have added, so block j waits for its rank. Without a mask the order is
@@ -257,7 +256,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
                         for (int h = 0; h < T::kDQParts; ++h)
                             tma_reduce_add_4d(&args.dq_accum, tile + h * T::kDQPartBytes,
                                               (T::kDQSplitRows ? 0 : c * T::kDQCols) + h * T::kDQPartCols,
-                                              q_row + (T::kDQSplitRows ? c * T::kDQRows : 0), head, dq_batch);
+                                              q_row + (T::kDQSplitRows ? c * T::kDQRows : 0), head, tma_batch);
                         bulk_commit();
                     }
                 }
@@ -354,7 +353,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
                 }
             }
 #pragma unroll
-            for (int kk = 0; kk < kBlockM / 16; ++kk) acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
+            for (int kk = 0; kk < kBlockM / 16; ++kk)
+                acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
         }
         wgmma_wait<0>();  // dP^T done
         fence_regs(dp_flat);
@@ -367,7 +367,8 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
             for (int e = 0; e < 4; ++e)
                 acc_dp[0][nt][e] = acc_s[0][nt][e] * (acc_dp[0][nt][e] - (e % 2 ? dsum2[nt].y : dsum2[nt].x));
 #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) acc_to_a_frag<Is_bf16>(acc_dp[0][2 * kk], acc_dp[0][2 * kk + 1], a_ds[kk]);
+        for (int kk = 0; kk < kBlockM / 16; ++kk)
+            acc_to_a_frag<Is_bf16>(acc_dp[0][2 * kk], acc_dp[0][2 * kk + 1], a_ds[kk]);
         // dS^T to shared memory in chunks of 64 queries ([kBlockN keys][64], 128-byte rows): chunk
         // nt / 8, row key, 16-byte unit nt % 8 swizzled with the row's low three bits (g): the
         // address of unit g, XOR (nt % 8) << 4. Two buffers: the other warpgroup may still read the

@@ -386,8 +386,9 @@ class Sm80Backward(Family):
 
 def run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv, q_block=None):
     """A backward around a family's main kernel: the preprocess (D, dq_accum = 0), main((BwdParams
-    record,), plans, dq_accum) (dK, dV; dQ into dq_accum), the dQ conversion and, under GQA, the group sum;
-    dq, dk, dv written, D returned (laid out as the LSE). The helpers are this family's kernels.
+    record,), plans, dq_accum) (dK, dV; dQ into dq_accum), the dQ conversion and, under GQA, the
+    group sum; dq, dk, dv written, D returned (laid out as the LSE). The helpers are this family's
+    kernels.
     q_block: the main kernel's q rows per deterministic-mode semaphore (plan_backward)."""
     import cupy
 

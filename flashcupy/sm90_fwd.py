@@ -80,9 +80,9 @@ class Sm90FwdVariant:
     @property
     def name_expression(self) -> str:
         t = self.tile
-        return (f"flash_fwd_sm90_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}, {cpp_bool(t.ping_pong)}, "
-                f"{cpp_bool(t.advance_descs)}, {mask_flags(self.mask)}, {cpp_bool(self.dtype == 'bfloat16')}, "
-                f"{cpp_bool(self.score_mod)}>")
+        return (f"flash_fwd_sm90_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}, "
+                f"{cpp_bool(t.ping_pong)}, {cpp_bool(t.advance_descs)}, {mask_flags(self.mask)}, "
+                f"{cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.score_mod)}>")
 
     @property
     def smem_bytes(self) -> int:

@@ -123,7 +123,9 @@ def serving_families(direction, q, k, **options) -> list:
     from flashcupy.device import device_info
 
     problem = _problem(q, k, options)
-    return [f.name for f in registry.families(direction) if f.unsupported(problem, device_info()) is None]
+    names = [f.name for f in registry.families(direction) if f.unsupported(problem, device_info()) is None]
+    assert names, f"no {direction} family serves {options} at these shapes: a loop over them would test nothing"
+    return names
 
 
 def skip_unless_served(direction, family_name, q, k, **options):
