@@ -4,13 +4,14 @@
 // (D = rowsum(dO O), dq_accum = 0), the dQ conversion and the GQA group sum are bwd.cu's kernels
 // (flashcupy/sm90_bwd.py launches them around this one).
 //
-// A block holds key block j (kBlockN = 128 keys, 64 per consumer warpgroup, keys on the wgmma's M)
-// and walks the q blocks i of kBlockM queries that see it (64, or 128 at head dim 64):
+// A block holds key block j and walks the q blocks i of kBlockM queries that see it:
 //   warpgroup 0, producer: warp 0 (one thread) loads K_j, V_j once, then Q_i and dO_i of each q
-//       block into a ring of kStages (full / empty mbarriers), by TMA; warps 1 and 2 copy LSE_i and
-//       D_i; warp 3 (one thread) adds each consumer's dQ_i tile from shared memory into dq_accum
-//       with TMA reductions;
-//   the others, consumers, 64 keys each, per q block:
+//       block into rings of kStages (kStagesDO for dO; full / empty mbarriers), by TMA; warps 1
+//       and 2 copy LSE_i and D_i; warp 3 (one thread) adds each consumer's dQ_i tile from shared
+//       memory into dq_accum with TMA reductions;
+//   the two others, consumers, in one of two arrangements by head dim.
+// Keys on the wgmma's M (head dims 64, 128): kBlockN = 128 keys, 64 per consumer, kBlockM 64 (128
+// at head dim 64); per q block each consumer
 //       S^T = K_j Q_i^T, dP^T = V_j dO_i^T              // wgmma, all operands in shared memory
 //       P^T = exp2(S^T c - LSE_i log2 e)                // under dP^T's wgmma; masked where needed
 //       dS^T = P^T (dP^T - D_i) -> shared memory (two buffers, alternating)
@@ -19,15 +20,23 @@
 //       dK_j += dS^T Q_i                                // wgmma, dS^T from registers, under dQ's store
 //       dQ_i -> shared memory, handed to warp 3;
 //     dQ_i per warpgroup, over all the block's keys: with 64 queries half of the columns, with 128
-//     half of the queries;
-//   then dK_j *= softmax_scale; dK_j, dV_j to memory.
-// Has_score_mod instances take the raw scores to natural units before P^T (score_mod.cuh) and fold
-// the softcap's derivative into dS^T; Is_deterministic ones add each q block's dQ tiles in a fixed
-// key-block order (a semaphore per q block); a sink needs nothing here (it is in the LSE).
-// Shared memory: K, V (kBlockN rows), kStages x (Q, dO) (kBlockM rows), each as 64-column chunks
-// with the 128-byte swizzle; 2 x dS^T (64-query chunks of [kBlockN keys][64], 128-byte rows, the
-// same swizzle); per consumer its dQ_i tile (float32, 32-column parts, the same swizzle); kStages x
-// (LSE_i log2 e, D_i); the mbarriers.
+//     half of the queries.
+// Keys on N (head dim 256, where 64 keys x 256 columns of dK and dV per consumer would not fit in
+// registers): kBlockN = 48 keys, kBlockM = 64; per q block each consumer
+//       S = Q_i K_c^T, dP = dO_i V_c^T                  // its 24 keys c, queries on M
+//       P, dS as above -> shared memory, transposed (stmatrix): P^T, dS^T [48 keys][64 queries]
+//       dV_j^T += dO_i^T P^T, dK_j^T += Q_i^T dS^T      // its 128 columns on M, operands in smem
+//       dQ_i = dS K_j                                   // its 128 columns, all 48 keys
+//     with one stage of dO (the dQ tiles take 64 KB of shared memory) and P^T, dS^T in one buffer
+//     each (rewritten once both consumers have read them).
+// Then dK_j *= softmax_scale; dK_j, dV_j to memory.
+// Has_score_mod instances take the raw scores to natural units before P and fold the softcap's
+// derivative into dS; Is_deterministic ones add each q block's dQ tiles in a fixed key-block order
+// (a semaphore per q block); a sink needs nothing here (it is in the LSE).
+// Shared memory: K, V (kBlockN rows), kStages x Q, kStagesDO x dO (kBlockM rows), each as 64-column
+// chunks with the 128-byte swizzle; 2 x kBlockN x kBlockM 16-bit (dS^T twice, or P^T and dS^T;
+// 64-query chunks of [kBlockN keys][64], 128-byte rows, the same swizzle); per consumer its dQ_i
+// tile (float32, 32-column parts, the same swizzle); kStages x (LSE_i log2 e, D_i); the mbarriers.
 #include "sm90.cuh"
 #include "mask.cuh"
 #include "score_mod.cuh"
@@ -40,7 +49,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
 struct Sm90BwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
-    static constexpr int kConsumerWGs = kBlockN / 64;
+    static constexpr bool kKeysOnN = kHeadDim > 128;  // the consumers' arrangement (above)
+    static constexpr int kStagesDO = kKeysOnN ? 1 : kStages;
+    static constexpr int kConsumerWGs = 2;
     static constexpr int kThreads = 128 * (1 + kConsumerWGs), kConsumers = 128 * kConsumerWGs;
     static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
     // setmaxnreg moves registers within the block's allocation (65536 / kThreads at launch, in 8s):
@@ -51,7 +62,9 @@ struct Sm90BwdTraits {
     static constexpr int kChunk = 64, kChunks = kHeadDim / kChunk;
     static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
     static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // Q or dO, one stage
-    static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // dS^T, one buffer (kBlockM / 64 chunks)
+    static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // dS^T or P^T, one buffer (kBlockM / 64 chunks)
+    // Keys on N: a consumer's keys of S and dP, and its columns of dK, dV and dQ
+    static constexpr int kWGKeys = kBlockN / kConsumerWGs, kWGCols = kHeadDim / kConsumerWGs;
     // dQ_i: each consumer a 64 x kDQCols tile over all the block's keys, staged as float32 in 32-column
     // parts (128-byte rows): with 64 queries, all of them and half of the columns; with 128, its half
     // of the queries (kDQSplitRows) and all columns
@@ -62,20 +75,28 @@ struct Sm90BwdTraits {
     static constexpr int kOffV = kKVBytes;
     static constexpr int kOffQ = 2 * kKVBytes;
     static constexpr int kOffDO = kOffQ + kStages * kQBytes;
-    static constexpr int kOffDS = kOffDO + kStages * kQBytes;
+    static constexpr int kOffDS = kOffDO + kStagesDO * kQBytes;
     static constexpr int kOffDQ = kOffDS + 2 * kDSBytes;
     static constexpr int kOffLse = kOffDQ + kConsumerWGs * kDQBytes;  // per stage LSE_i log2 e, then D_i
     static constexpr int kOffBar = kOffLse + kStages * 2 * kBlockM * 4;
-    static constexpr int kBarriers = 1 + 2 * kStages;  // K and V full; per stage Q, dO, LSE, D full, empty
-    static constexpr int kStageLoaders = 64;           // producer threads that copy a stage's LSE and D
+    // mbarriers (8 bytes each from kOffBar): K and V full; per stage Q (with LSE, D; and dO with keys
+    // on M) full, empty; keys on N, per dO stage full, empty
+    static constexpr int kMbarQFull = 1, kMbarQEmpty = kMbarQFull + kStages;
+    static constexpr int kMbarDOFull = kKeysOnN ? kMbarQEmpty + kStages : kMbarQFull;
+    static constexpr int kMbarDOEmpty = kKeysOnN ? kMbarDOFull + kStagesDO : kMbarQEmpty;
+    static constexpr int kBarriers = 1 + 2 * kStages + (kKeysOnN ? 2 * kStagesDO : 0);
+    static constexpr int kStageLoaders = 64;  // producer threads that copy a stage's LSE and D
     static constexpr int kSmemBytes = kOffBar + kBarriers * 8 + 1024;
     // Named barriers: dS^T written (both consumers read all of it), then per consumer its dQ tile
-    // written (to warp 3) and read (from warp 3).
-    static constexpr int kBarDS = 1, kBarDQFull = 2, kBarDQEmpty = 4, kDQHandoff = 128 + 32;
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims 64 and 128 (dQ: 64 x 32 or 64 x 64 per warpgroup)");
-    static_assert(kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64),
-                  "q blocks of 64 (128 at head dim 64: S^T and dP^T take 64 registers each)");
-    static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys");
+    // written (to warp 3) and read (from warp 3); keys on N, P^T and dS^T read by both consumers.
+    static constexpr int kBarDS = 1, kBarDQFull = 2, kBarDQEmpty = 4, kBarPdSRead = 6, kDQHandoff = 128 + 32;
+    static_assert(kKeysOnN || kHeadDim == 64 || kHeadDim == 128,
+                  "keys on M: head dims 64 and 128 (dQ: 64 x 32 or 64 x 64 per warpgroup)");
+    static_assert(kKeysOnN || kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64),
+                  "keys on M: q blocks of 64 (128 at head dim 64: S^T and dP^T take 64 registers each)");
+    static_assert(kKeysOnN || kBlockN == 128, "keys on M: two consumer warpgroups of 64 keys");
+    static_assert(!kKeysOnN || (kHeadDim == 256 && kBlockM == 64 && kBlockN == 48),
+                  "keys on N: head dim 256, 64 queries (one wgmma M), 24 keys per consumer");
 };
 
 // The score-mod instances' P^T and a_p (the plain ones compute them in the kernel, where ptxas
@@ -130,171 +151,191 @@ struct Sm90BwdArgs {
 static_assert(sizeof(BwdParams) <= 512 && sizeof(Sm90BwdArgs) == 512 + 5 * 128,
               "flashcupy/sm90_bwd.py lays the tensor maps at bytes 512, 640, 768, 896 and 1024");
 
-template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool Is_causal, bool Is_local, bool Is_bf16,
-          bool Is_deterministic, bool Has_score_mod>
-__global__ void __launch_bounds__(128 * (1 + kBlockN / 64), 1)
-flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
-    using T = Sm90BwdTraits<kHeadDim, kBlockM, kBlockN, kStages>;
+// What the producer and the consumers of a thread block share: its key block and (head, batch), the
+// sequence's lengths, the q blocks that see the key block, its shared memory and mbarriers.
+template <class T, bool Is_causal, bool Is_local>
+struct Sm90BwdBlock {
+    unsigned char* smem_ptr;  // the layout's base, as a generic pointer
+    u32 smem;                 // and as a shared-memory address (1024-byte aligned)
+    SeqLens seq;
+    Mask<Is_causal, Is_local, T::kBlockM, T::kBlockN> mask;
+    int n_block, head, batch, key0, m_block_min, m_count;
+    int tma_batch;  // a packed varlen tensor is one batch entry
+
+    FC_DEVICE u32 kv_full() const { return smem + T::kOffBar; }
+    FC_DEVICE u32 q_full(int s) const { return smem + T::kOffBar + 8 * (T::kMbarQFull + s); }
+    FC_DEVICE u32 q_empty(int s) const { return smem + T::kOffBar + 8 * (T::kMbarQEmpty + s); }
+    FC_DEVICE u32 do_full(int s) const { return smem + T::kOffBar + 8 * (T::kMbarDOFull + s); }
+    FC_DEVICE u32 do_empty(int s) const { return smem + T::kOffBar + 8 * (T::kMbarDOEmpty + s); }
+    FC_DEVICE float* lse_stage(int s) const {  // LSE_i log2 e, then D_i
+        return reinterpret_cast<float*>(smem_ptr + T::kOffLse) + s * 2 * T::kBlockM;
+    }
+};
+
+// Warpgroup 0: the TMA loads (warp 0), the LSE and D copies (warps 1, 2), the dQ reductions (warp 3).
+template <class T, bool Is_causal, bool Is_local, bool Is_deterministic>
+FC_DEVICE void bwd_producer(const Sm90BwdArgs& args, const Sm90BwdBlock<T, Is_causal, Is_local>& b, int tid,
+                            bool last_keys_first) {
+    constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStages = T::kStages;
     const BwdParams& p = args.p;
-    extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const u32 smem = (smem_u32(smem_raw) + 1023) & ~1023u;
-    const u32 sK = smem, sV = smem + T::kOffV, sQ = smem + T::kOffQ, sdO = smem + T::kOffDO, sdS = smem + T::kOffDS;
-    const u32 kv_full = smem + T::kOffBar;
-    auto q_full = [&](int s) { return kv_full + 8 * (1 + s); };
-    auto q_empty = [&](int s) { return kv_full + 8 * (1 + kStages + s); };
-    const int tid = threadIdx.x, warpgroup = tid / 128, lane = tid & 31;
+    const int lane = tid & 31;
+    regs_release<T::kProducerRegs>();
+    // Warps 1 and 2 copy LSE (in log2 units; +inf where P must be 0) and D, rows r + 64 j; thread
+    // 0, in warp 0, issues the TMA loads (the copiers wait for stages to empty: not its warp).
+    const int r = tid - 32;
+    if (r >= 0 && r < T::kStageLoaders) {
+        constexpr int kRows = kBlockM / T::kStageLoaders;
+        const float* gLse = p.lse + b.batch * p.lse_batch_stride + b.head * p.lse_head_stride + b.seq.q_start;
+        const float* gDelta = p.delta + b.batch * p.lse_batch_stride + b.head * p.lse_head_stride + b.seq.q_start;
+        for (int it = 0; it < b.m_count; ++it) {
+            const int s = it % kStages;
+            float* stage = b.lse_stage(s);
+            float l[kRows], d[kRows];
+#pragma unroll
+            for (int j = 0; j < kRows; ++j) {
+                const int q = (b.m_block_min + it) * kBlockM + r + 64 * j;
+                l[j] = q < b.seq.seqlen_q ? gLse[q] : FC_INF;  // past the queries: P = 0
+                d[j] = q < b.seq.seqlen_q ? gDelta[q] : 0.f;
+            }
+            mbar_wait(b.q_empty(s), ((it / kStages) & 1) ^ 1);
+#pragma unroll
+            for (int j = 0; j < kRows; ++j) {
+                stage[r + 64 * j] = l[j] == -FC_INF ? FC_INF : l[j] * kLog2e;  // a row without keys: P = 0, not NaN
+                stage[kBlockM + r + 64 * j] = d[j];
+            }
+            mbar_arrive(b.q_full(s));
+        }
+    }
     if (tid == 0) {
-        mbar_init(kv_full, 1);
-        for (int s = 0; s < kStages; ++s) {
-            mbar_init(q_full(s), 1 + T::kStageLoaders);
-            mbar_init(q_empty(s), T::kConsumers);
+        tma_prefetch_desc(&args.q);
+        tma_prefetch_desc(&args.k);
+        tma_prefetch_desc(&args.v);
+        tma_prefetch_desc(&args.dout);
+        const u32 sK = b.smem, sV = b.smem + T::kOffV, sQ = b.smem + T::kOffQ, sdO = b.smem + T::kOffDO;
+        const int kv_head = b.head / p.heads_per_kv_head, k_row = b.seq.k_start + b.key0;
+        mbar_arrive_expect_tx(b.kv_full(), 2 * T::kKVBytes);
+#pragma unroll
+        for (int c = 0; c < T::kChunks; ++c) {
+            tma_load_4d(sK + c * kBlockN * 128, &args.k, b.kv_full(), c * T::kChunk, k_row, kv_head, b.tma_batch);
+            tma_load_4d(sV + c * kBlockN * 128, &args.v, b.kv_full(), c * T::kChunk, k_row, kv_head, b.tma_batch);
         }
-        mbar_fence_init();
+        for (int it = 0; it < b.m_count; ++it) {
+            const int s = it % kStages, q_row = b.seq.q_start + (b.m_block_min + it) * kBlockM;
+            mbar_wait(b.q_empty(s), ((it / kStages) & 1) ^ 1);
+            mbar_arrive_expect_tx(b.q_full(s), (T::kKeysOnN ? 1 : 2) * T::kQBytes);
+#pragma unroll
+            for (int c = 0; c < T::kChunks; ++c)
+                tma_load_4d(sQ + s * T::kQBytes + c * kBlockM * 128, &args.q, b.q_full(s), c * T::kChunk, q_row, b.head,
+                            b.tma_batch);
+            const int sd = it % T::kStagesDO;
+            if constexpr (T::kKeysOnN) {
+                mbar_wait(b.do_empty(sd), ((it / T::kStagesDO) & 1) ^ 1);
+                mbar_arrive_expect_tx(b.do_full(sd), T::kQBytes);
+            }
+#pragma unroll
+            for (int c = 0; c < T::kChunks; ++c)
+                tma_load_4d(sdO + sd * T::kQBytes + c * kBlockM * 128, &args.dout, b.do_full(sd), c * T::kChunk, q_row,
+                            b.head, b.tma_batch);
+        }
     }
-    __syncthreads();
-
-    // Block (key block, head, batch), key blocks of a head adjacent; the last key block first where
-    // the deterministic mode adds a q block's tiles from its last key block down (below).
-    constexpr bool kLastKeysFirst = Is_deterministic && (Is_causal || Is_local);
-    const int num_n_blocks = (p.max_seqlen_k + kBlockN - 1) / kBlockN;
-    const int n_index = blockIdx.x % num_n_blocks, hb = blockIdx.x / num_n_blocks;
-    const int n_block = kLastKeysFirst ? num_n_blocks - 1 - n_index : n_index;
-    const int head = hb % p.nheads, batch = hb / p.nheads;
-    const SeqLens seq(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.max_seqlen_q, p.max_seqlen_k);
-    const int seqlen_q = seq.seqlen_q, seqlen_k = seq.seqlen_k;
-    const int key0 = n_block * kBlockN;
-    if (key0 >= seqlen_k) return;  // varlen: past this sequence's end
-    const int band_offset = p.align_bottom_right ? seqlen_k - seqlen_q : 0;
-    const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, p.window_left, p.window_right};
-    const ScoreMod mod(p.softmax_scale, p.softcap, p.alibi_slopes, p.alibi_batch_stride, batch, head, band_offset);
-    const int m_block_min = mask.row_begin(key0) / kBlockM;
-    const int m_count = max(0, (mask.row_end(key0) + kBlockM - 1) / kBlockM - m_block_min);
-    const int tma_batch = p.cu_seqlens_q ? 0 : batch;  // a packed varlen tensor is one batch entry
-
-    if (warpgroup == 0) {  // ---- producer ----
-        regs_release<T::kProducerRegs>();
-        // Warps 1 and 2 copy LSE (in log2 units; +inf where P must be 0) and D, rows r + 64 j; thread
-        // 0, in warp 0, issues the TMA loads (the copiers wait for stages to empty: not its warp).
-        const int r = tid - 32;
-        if (r >= 0 && r < T::kStageLoaders) {
-            constexpr int kRows = kBlockM / T::kStageLoaders;
-            const float* gLse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_start;
-            const float* gDelta = p.delta + batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_start;
-            for (int it = 0; it < m_count; ++it) {
-                const int s = it % kStages;
-                float* stage = reinterpret_cast<float*>(smem_raw + (smem - smem_u32(smem_raw)) + T::kOffLse) + s * 2 * kBlockM;
-                float l[kRows], d[kRows];
+    if (tid / 32 == 3 && b.m_count > 0) {  // warp 3: each consumer's dQ_i tile into dq_accum
+        // Deterministic: q block i's tiles are added in key-block order. The key blocks that
+        // reach it are a contiguous range [key_begin, key_end) / kBlockN; its semaphore counts
+        // those that have added, so block j waits for its rank. Without a mask the order is
+        // ascending. Under a causal or band mask it is descending: key block j's first q
+        // blocks are the last ones of the blocks below it, which ascending order would make it
+        // wait for, while the blocks above it reach them first (they start there); those are
+        // launched first, so a block never waits for one that is not running.
+        int* sems = p.dq_semaphore + (i64(b.batch) * p.nheads + b.head) * ((p.max_seqlen_q + kBlockM - 1) / kBlockM);
+        // Each consumer waits for its tile to be free before writing it; the first is.
 #pragma unroll
-                for (int j = 0; j < kRows; ++j) {
-                    const int q = (m_block_min + it) * kBlockM + r + 64 * j;
-                    l[j] = q < seqlen_q ? gLse[q] : FC_INF;  // past the queries: P = 0
-                    d[j] = q < seqlen_q ? gDelta[q] : 0.f;
-                }
-                mbar_wait(q_empty(s), ((it / kStages) & 1) ^ 1);
+        for (int c = 0; c < T::kConsumerWGs; ++c) named_bar_arrive(T::kBarDQEmpty + c, T::kDQHandoff);
+        for (int it = 0; it < b.m_count; ++it) {
+            // Rows past a sequence's end hold zeros (P = 0 there): in a packed varlen batch they
+            // add nothing to the next sequence, past the tensor's end TMA drops them.
+            const int m_block = b.m_block_min + it, q_row = b.seq.q_start + m_block * kBlockM;
+            const int n_rank = last_keys_first ? (b.mask.key_end(m_block * kBlockM) - 1) / kBlockN - b.n_block
+                                               : b.n_block - b.mask.key_begin(m_block * kBlockM) / kBlockN;
+            if (Is_deterministic) {
+                if (lane == 0)
+                    while (ld_acquire(sems + m_block) != n_rank) asm volatile("nanosleep.u32 64;\n");
+                __syncwarp();
+            }
 #pragma unroll
-                for (int j = 0; j < kRows; ++j) {
-                    stage[r + 64 * j] = l[j] == -FC_INF ? FC_INF : l[j] * kLog2e;  // a row without keys: P = 0, not NaN
-                    stage[kBlockM + r + 64 * j] = d[j];
+            for (int c = 0; c < T::kConsumerWGs; ++c) {
+                named_bar_sync(T::kBarDQFull + c, T::kDQHandoff);
+                if (lane == 0) {
+                    const u32 tile = b.smem + T::kOffDQ + c * T::kDQBytes;
+#pragma unroll
+                    for (int h = 0; h < T::kDQParts; ++h)
+                        tma_reduce_add_4d(&args.dq_accum, tile + h * T::kDQPartBytes,
+                                          (T::kDQSplitRows ? 0 : c * T::kDQCols) + h * T::kDQPartCols,
+                                          q_row + (T::kDQSplitRows ? c * T::kDQRows : 0), b.head, b.tma_batch);
+                    bulk_commit();
                 }
-                mbar_arrive(q_full(s));
+            }
+            if (Is_deterministic && lane == 0) {
+                bulk_wait<0>();  // added, not only read
+                st_release(sems + m_block, n_rank + 1);
+            }
+            if (it + 1 < b.m_count) {
+                if (lane == 0) bulk_wait_read<0>();
+                __syncwarp();
+#pragma unroll
+                for (int c = 0; c < T::kConsumerWGs; ++c) named_bar_arrive(T::kBarDQEmpty + c, T::kDQHandoff);
             }
         }
-        if (tid == 0) {
-            tma_prefetch_desc(&args.q);
-            tma_prefetch_desc(&args.k);
-            tma_prefetch_desc(&args.v);
-            tma_prefetch_desc(&args.dout);
-            const int kv_head = head / p.heads_per_kv_head, k_row = seq.k_start + key0;
-            mbar_arrive_expect_tx(kv_full, 2 * T::kKVBytes);
-#pragma unroll
-            for (int c = 0; c < T::kChunks; ++c) {
-                tma_load_4d(sK + c * kBlockN * 128, &args.k, kv_full, c * T::kChunk, k_row, kv_head, tma_batch);
-                tma_load_4d(sV + c * kBlockN * 128, &args.v, kv_full, c * T::kChunk, k_row, kv_head, tma_batch);
-            }
-            for (int it = 0; it < m_count; ++it) {
-                const int s = it % kStages, q_row = seq.q_start + (m_block_min + it) * kBlockM;
-                mbar_wait(q_empty(s), ((it / kStages) & 1) ^ 1);
-                mbar_arrive_expect_tx(q_full(s), 2 * T::kQBytes);
-#pragma unroll
-                for (int c = 0; c < T::kChunks; ++c) {
-                    tma_load_4d(sQ + s * T::kQBytes + c * kBlockM * 128, &args.q, q_full(s), c * T::kChunk, q_row, head,
-                                tma_batch);
-                    tma_load_4d(sdO + s * T::kQBytes + c * kBlockM * 128, &args.dout, q_full(s), c * T::kChunk, q_row,
-                                head, tma_batch);
-                }
-            }
-        }
-        if (tid / 32 == 3 && m_count > 0) {  // warp 3: each consumer's dQ_i tile into dq_accum
-            // Deterministic: q block i's tiles are added in key-block order. The key blocks that
-            // reach it are a contiguous range [key_begin, key_end) / kBlockN; its semaphore counts
-            // those that have added, so block j waits for its rank. Without a mask the order is
-            // ascending. Under a causal or band mask it is descending: key block j's first q
-            // blocks are the last ones of the blocks below it, which ascending order would make it
-            // wait for, while the blocks above it reach them first (they start there); those are
-            // launched first, so a block never waits for one that is not running.
-            int* sems = p.dq_semaphore + (i64(batch) * p.nheads + head) * ((p.max_seqlen_q + kBlockM - 1) / kBlockM);
-            // Each consumer waits for its tile to be free before writing it; the first is.
-#pragma unroll
-            for (int c = 0; c < T::kConsumerWGs; ++c) named_bar_arrive(T::kBarDQEmpty + c, T::kDQHandoff);
-            for (int it = 0; it < m_count; ++it) {
-                // Rows past a sequence's end hold zeros (P = 0 there): in a packed varlen batch they
-                // add nothing to the next sequence, past the tensor's end TMA drops them.
-                const int m_block = m_block_min + it, q_row = seq.q_start + m_block * kBlockM;
-                const int n_rank = kLastKeysFirst ? (mask.key_end(m_block * kBlockM) - 1) / kBlockN - n_block
-                                                  : n_block - mask.key_begin(m_block * kBlockM) / kBlockN;
-                if (Is_deterministic) {
-                    if (lane == 0)
-                        while (ld_acquire(sems + m_block) != n_rank) asm volatile("nanosleep.u32 64;\n");
-                    __syncwarp();
-                }
-#pragma unroll
-                for (int c = 0; c < T::kConsumerWGs; ++c) {
-                    named_bar_sync(T::kBarDQFull + c, T::kDQHandoff);
-                    if (lane == 0) {
-                        const u32 tile = smem + T::kOffDQ + c * T::kDQBytes;
-#pragma unroll
-                        for (int h = 0; h < T::kDQParts; ++h)
-                            tma_reduce_add_4d(&args.dq_accum, tile + h * T::kDQPartBytes,
-                                              (T::kDQSplitRows ? 0 : c * T::kDQCols) + h * T::kDQPartCols,
-                                              q_row + (T::kDQSplitRows ? c * T::kDQRows : 0), head, tma_batch);
-                        bulk_commit();
-                    }
-                }
-                if (Is_deterministic && lane == 0) {
-                    bulk_wait<0>();  // added, not only read
-                    st_release(sems + m_block, n_rank + 1);
-                }
-                if (it + 1 < m_count) {
-                    if (lane == 0) bulk_wait_read<0>();
-                    __syncwarp();
-#pragma unroll
-                    for (int c = 0; c < T::kConsumerWGs; ++c) named_bar_arrive(T::kBarDQEmpty + c, T::kDQHandoff);
-                }
-            }
-            if (lane == 0) bulk_wait<0>();
-        }
-        return;
+        if (lane == 0) bulk_wait<0>();
     }
+}
 
-    // ---- consumers ----
-    regs_claim<T::kConsumerRegs>();
-    const int consumer = warpgroup - 1, warp = (tid / 32) % 4, g = lane >> 2, t = lane & 3;
+// A consumer's dQ_i (rows 16 warp + g + 8 h of its 64, columns 8 nt + 2 t + e1 of its kDQCols) to
+// its dQ tile, then handed to warp 3: column part nt / 4, its 16-byte unit 2 (nt % 4) + t / 2
+// swizzled with the row's low three bits (g): the address of unit (t / 2) ^ g, XOR (nt % 4) << 5.
+// Rows g and g ^ 1 would store to the same banks at once, so odd rows store tile nt ^ 2 where even
+// ones store tile nt (the half-warp's 64 stores then cover the 32 banks once).
+template <class T>
+FC_DEVICE void hand_off_dq(u32 smem, int consumer, int warp, int g, int t, const float (&acc_dq)[T::kDQCols / 2]) {
+    const bool odd = g & 1;
+    const u32 dq_row = in_place(smem + T::kOffDQ + consumer * T::kDQBytes + (16 * warp + g) * 128 +
+                                (((((t >> 1) ^ g) << 4) + 8 * (t & 1)) ^ (odd << 6)));
+    named_bar_sync(T::kBarDQEmpty + consumer, T::kDQHandoff);
+#pragma unroll
+    for (int nt = 0; nt < T::kDQCols / 8; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int even_i = 4 * nt + 2 * h, odd_i = 4 * (nt ^ 2) + 2 * h;
+            st_shared_f32x2(((dq_row + h * 8 * 128) ^ ((nt % 4) << 5)) + (nt / 4) * T::kDQPartBytes,
+                            odd ? acc_dq[odd_i] : acc_dq[even_i], odd ? acc_dq[odd_i + 1] : acc_dq[even_i + 1]);
+        }
+    fence_proxy_async_shared();  // visible to the TMA reduction
+    named_bar_arrive(T::kBarDQFull + consumer, T::kDQHandoff);
+}
+
+// Keys on M: a consumer's 64 keys of the block (see the top of the file).
+template <class T, bool Is_causal, bool Is_local, bool Is_bf16, bool Has_score_mod>
+FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, Is_causal, Is_local>& b,
+                                      const ScoreMod& mod, int tid) {
+    constexpr int kHeadDim = T::kHeadDim, kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStages = T::kStages;
+    const u32 smem = b.smem, sK = smem, sV = smem + T::kOffV, sQ = smem + T::kOffQ, sdO = smem + T::kOffDO;
+    const u32 sdS = smem + T::kOffDS;
+    const int seqlen_q = b.seq.seqlen_q, seqlen_k = b.seq.seqlen_k, key0 = b.key0;
+    const int consumer = tid / 128 - 1, lane = tid & 31, warp = (tid / 32) % 4, g = lane >> 2, t = lane & 3;
     const int key_wg0 = 64 * consumer;                 // this warpgroup's first key in the block
     const int key_w0 = key_wg0 + 16 * warp;            // this warp's first key (wgmma rows)
     float acc_dk[kHeadDim / 2], acc_dv[kHeadDim / 2];  // 64 keys x kHeadDim per warpgroup
 #pragma unroll
     for (int i = 0; i < kHeadDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
-    const float* sLse = reinterpret_cast<const float*>(smem_raw + (smem - smem_u32(smem_raw)) + T::kOffLse);
     // Descriptors: K-major K, V (this warpgroup's 64 rows), Q, dO: 64-column chunks kBlockN or kBlockM
     // * 128 bytes apart, 16-column k steps 32 bytes apart; N-major dO, Q as the B of dV, dK (16
     // queries 2048 bytes apart); MN-major dS (16 keys 2048 bytes apart) and K (a 64-column chunk)
     // for dQ.
     const u32 sK_wg = sK + key_wg0 * 128, sV_wg = sV + key_wg0 * 128;
 
-    mbar_wait(kv_full, 0);
-    for (int it = 0; it < m_count; ++it) {
-        const int s = it % kStages, m_block = m_block_min + it, q0 = m_block * kBlockM;
+    mbar_wait(b.kv_full(), 0);
+    for (int it = 0; it < b.m_count; ++it) {
+        const int s = it % kStages, m_block = b.m_block_min + it, q0 = m_block * kBlockM;
         const u32 sQ_s = sQ + s * T::kQBytes, sdO_s = sdO + s * T::kQBytes, sdS_b = sdS + (it & 1) * T::kDSBytes;
         float acc_s[1][kBlockM / 8][4], acc_dp[1][kBlockM / 8][4];  // S^T, dP^T: 64 keys x kBlockM queries
         float(&s_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(acc_s);
@@ -310,7 +351,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
             }
             wgmma_commit();
         };
-        mbar_wait(q_full(s), (it / kStages) & 1);
+        mbar_wait(b.q_full(s), (it / kStages) & 1);
         wgmma_fence();
         // K_j and V_j do not change; their descriptors are rebuilt each step (in_place), not held
         issue_ss(s_flat, gmma_desc(in_place(sK_wg), 16, 1024), gmma_desc(sQ_s, 16, 1024));
@@ -318,7 +359,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         // this stage's LSE_i log2 e, then D_i; a thread's two queries in a tile are adjacent (one
         // float2). With 64 queries LSE_i is read while the wgmmas run (with 128 there are no
         // registers for it), D_i after P^T.
-        const float* lse_s = sLse + s * 2 * kBlockM;
+        const float* lse_s = b.lse_stage(s);
         constexpr bool kLseEarly = !Has_score_mod && kBlockM == 64;
         float2 lse2[kBlockM / 8], dsum2[kBlockM / 8];
         if constexpr (kLseEarly) {
@@ -331,11 +372,11 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
 
         // P^T in place of S^T and a_p, P^T in the input dtype (dV's A operand); then dS^T in place of dP^T
         const bool needs_mask = q0 + kBlockM > seqlen_q || key0 + kBlockN > seqlen_k ||
-                                ((Is_causal || Is_local) && mask.tile_needs_mask(q0, n_block));
+                                ((Is_causal || Is_local) && b.mask.tile_needs_mask(q0, b.n_block));
         u32 a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
         if constexpr (Has_score_mod) {
             Sm90ScoreModProbs<kBlockM, kBlockN, Is_causal, Is_local, Is_bf16> probs{
-                acc_s, a_p, lse_s, mod, mask, key0 + key_w0 + g, q0, 2 * t, seqlen_q, seqlen_k, needs_mask};
+                acc_s, a_p, lse_s, mod, b.mask, key0 + key_w0 + g, q0, 2 * t, seqlen_q, seqlen_k, needs_mask};
             mod.dispatch(probs);
         } else {  // element e of tile nt is key key_w0 + g + 8 (e / 2), query q0 + 8 nt + 2 t + e % 2
 #pragma unroll
@@ -347,7 +388,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
                     float pr = fast_exp2(acc_s[0][nt][e] * p.scale_log2 - (e1 ? lse2[nt].y : lse2[nt].x));
                     if (needs_mask) {
                         const int key = key0 + key_w0 + g + 8 * (e / 2), q = q0 + 8 * nt + 2 * t + e1;
-                        if (key >= seqlen_k || q >= seqlen_q || mask.hidden(q, key)) pr = 0.f;
+                        if (key >= seqlen_k || q >= seqlen_q || b.mask.hidden(q, key)) pr = 0.f;
                     }
                     acc_s[0][nt][e] = pr;
                 }
@@ -419,33 +460,15 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         wgmma_wait<1>();  // dV, dQ_i done
         fence_regs(acc_dv);
         fence_regs(acc_dq);
-        // dQ_i to this warpgroup's tile, rows 16 warp + g + 8 h, columns 8 nt + 2 t + e1: column
-        // part nt / 4, its 16-byte unit 2 (nt % 4) + t / 2 swizzled with the row's low three bits
-        // (g): the address of unit (t / 2) ^ g, XOR (nt % 4) << 5. Rows g and g ^ 1 would store to
-        // the same banks at once, so odd rows store tile nt ^ 2 where even ones store tile nt (the
-        // half-warp's 64 stores then cover the 32 banks once).
-        const bool odd = g & 1;
-        const u32 dq_row = in_place(smem + T::kOffDQ + consumer * T::kDQBytes + (16 * warp + g) * 128 +
-                                    (((((t >> 1) ^ g) << 4) + 8 * (t & 1)) ^ (odd << 6)));
-        named_bar_sync(T::kBarDQEmpty + consumer, T::kDQHandoff);
-#pragma unroll
-        for (int nt = 0; nt < kDQCols / 8; ++nt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int even_i = 4 * nt + 2 * h, odd_i = 4 * (nt ^ 2) + 2 * h;
-                st_shared_f32x2(((dq_row + h * 8 * 128) ^ ((nt % 4) << 5)) + (nt / 4) * T::kDQPartBytes,
-                                odd ? acc_dq[odd_i] : acc_dq[even_i], odd ? acc_dq[odd_i + 1] : acc_dq[even_i + 1]);
-            }
-        fence_proxy_async_shared();  // visible to the TMA reduction
-        named_bar_arrive(T::kBarDQFull + consumer, T::kDQHandoff);
+        hand_off_dq<T>(smem, consumer, warp, g, t, acc_dq);
         wgmma_wait<0>();  // dK done: Q_i, dO_i, a_ds free
         fence_regs(acc_dk);
-        mbar_arrive(q_empty(s));  // Q_i, dO_i consumed
+        mbar_arrive(b.q_empty(s));  // Q_i, dO_i consumed
     }
 
     // dK *= softmax_scale; rows key_w0 + g + 8 h, columns 8 dt + 2 t + e1
-    u16* gdK = p.dk + batch * p.dk_batch_stride + head * p.dk_head_stride + i64(seq.k_start) * p.dk_row_stride;
-    u16* gdV = p.dv + batch * p.dv_batch_stride + head * p.dv_head_stride + i64(seq.k_start) * p.dv_row_stride;
+    u16* gdK = p.dk + b.batch * p.dk_batch_stride + b.head * p.dk_head_stride + i64(b.seq.k_start) * p.dk_row_stride;
+    u16* gdV = p.dv + b.batch * p.dv_batch_stride + b.head * p.dv_head_stride + i64(b.seq.k_start) * p.dv_row_stride;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int key = key0 + key_w0 + g + 8 * h;
@@ -453,10 +476,279 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
 #pragma unroll
             for (int dt = 0; dt < kHeadDim / 8; ++dt) {
                 *reinterpret_cast<u32*>(gdK + key * p.dk_row_stride + 8 * dt + 2 * t) =
-                    pack_f32x2<Is_bf16>(acc_dk[4 * dt + 2 * h] * p.softmax_scale, acc_dk[4 * dt + 2 * h + 1] * p.softmax_scale);
+                    pack_f32x2<Is_bf16>(acc_dk[4 * dt + 2 * h] * p.softmax_scale,
+                                        acc_dk[4 * dt + 2 * h + 1] * p.softmax_scale);
                 *reinterpret_cast<u32*>(gdV + key * p.dv_row_stride + 8 * dt + 2 * t) =
                     pack_f32x2<Is_bf16>(acc_dv[4 * dt + 2 * h], acc_dv[4 * dt + 2 * h + 1]);
             }
         }
     }
+}
+
+// Keys on N: P and dCap for a consumer's S tile (64 queries x kNT n tiles of 8 keys): element e of
+// tile j is query q_row + 8 (e / 2), key key + 8 j + e % 2. P = exp2(score * scale_log2 - LSE_i log2
+// e), 0 where masked; with score mods each raw score goes to natural units first (score_mod.cuh) and
+// dcap gets the softcap's derivative, which dS = P (dP - D_i) dcap needs.
+template <int kNT, class MaskT, bool Has_score_mod>
+struct Sm90ProbsKeysOnN {
+    float (&s)[kNT * 4];
+    float (&dcap)[kNT * 4];
+    const float (&lse)[2];  // LSE_i log2 e of the thread's two rows
+    const ScoreMod& mod;
+    const MaskT& mask;
+    float scale_log2;  // softmax_scale log2 e, or log2 e after a score mod
+    int q_row, key, seqlen_q, seqlen_k;
+    bool needs_mask;
+
+    template <bool kSoftcap, bool kAlibi>
+    FC_DEVICE void run() {
+#pragma unroll
+        for (int j = 0; j < kNT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int q = q_row + 8 * (e / 2), k = key + 8 * j + e % 2;
+                float x = s[4 * j + e];
+                if constexpr (Has_score_mod) x = mod.apply<kSoftcap, kAlibi>(x, q, k, dcap[4 * j + e]);
+                float pr = fast_exp2(x * scale_log2 - lse[e / 2]);
+                if (needs_mask && (k >= seqlen_k || q >= seqlen_q || mask.hidden(q, k))) pr = 0.f;
+                s[4 * j + e] = pr;
+            }
+    }
+};
+
+// Keys on N: a consumer's 24 keys of S and dP, and its 128 columns of dK, dV and dQ (see the top).
+template <class T, bool Is_causal, bool Is_local, bool Is_bf16, bool Has_score_mod>
+FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, Is_causal, Is_local>& b,
+                                      const ScoreMod& mod, int tid) {
+    constexpr int kHeadDim = T::kHeadDim, kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStages = T::kStages;
+    constexpr int kNT = T::kWGKeys / 8;   // n tiles of S and dP
+    constexpr int kMT = T::kWGCols / 64;  // m tiles (64 columns) of dK^T and dV^T
+    const u32 smem = b.smem, sK = smem, sV = smem + T::kOffV, sQ = smem + T::kOffQ, sdO = smem + T::kOffDO;
+    const u32 sPT = smem + T::kOffDS, sdST = sPT + T::kDSBytes;
+    const int seqlen_q = b.seq.seqlen_q, seqlen_k = b.seq.seqlen_k, key0 = b.key0;
+    const int consumer = tid / 128 - 1, lane = tid & 31, warp = (tid / 32) % 4, g = lane >> 2, t = lane & 3;
+    const int key_wg = T::kWGKeys * consumer;  // this warpgroup's first key in the block
+    const int col_wg = T::kWGCols * consumer;  // its first column of dK, dV and dQ
+    const int row = 16 * warp + g;             // the thread's first query in a q block (and row + 8)
+    // dK^T, dV^T: element e of tile j of m tile mt is column col_wg + 64 mt + row + 8 (e / 2), key
+    // 8 j + 2 t + e % 2
+    float acc_dk[kMT][kBlockN / 2], acc_dv[kMT][kBlockN / 2];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int i = 0; i < kBlockN / 2; ++i) acc_dk[mt][i] = acc_dv[mt][i] = 0.f;
+    // P^T, dS^T ([kBlockN keys][kBlockM queries], 128-byte rows, the 128-byte swizzle) from S-shaped
+    // fragments, transposed by stmatrix: matrix i = lane / 8 is tile j0 + i / 2, rows 8 (i % 2) ..
+    // of the warp's 16; its row r = lane % 8 is key key_wg + 8 j + r, whose queries 16 warp + 8 (i %
+    // 2) .. fill 16-byte unit 2 warp + i % 2, swizzled with r.
+    auto store_transposed = [&](u32 base, const float (&x)[kNT * 4]) {
+        const int i = lane / 8, r = lane % 8;
+#pragma unroll
+        for (int j0 = 0; j0 < kNT; j0 += 2) {
+            const int j = j0 + (j0 + 1 < kNT ? i / 2 : 0);
+            const u32 addr = base + (key_wg + 8 * j + r) * 128 + (((2 * warp + i % 2) ^ r) << 4);
+            if (j0 + 1 < kNT)
+                stmatrix_x4_trans(addr, pack_f32x2<Is_bf16>(x[4 * j0], x[4 * j0 + 1]),
+                                  pack_f32x2<Is_bf16>(x[4 * j0 + 2], x[4 * j0 + 3]),
+                                  pack_f32x2<Is_bf16>(x[4 * j0 + 4], x[4 * j0 + 5]),
+                                  pack_f32x2<Is_bf16>(x[4 * j0 + 6], x[4 * j0 + 7]));
+            else
+                stmatrix_x2_trans(addr, pack_f32x2<Is_bf16>(x[4 * j0], x[4 * j0 + 1]),
+                                  pack_f32x2<Is_bf16>(x[4 * j0 + 2], x[4 * j0 + 3]));
+        }
+    };
+
+    mbar_wait(b.kv_full(), 0);
+    // the step count recomputed here (in_place: not the one computed before the producer branch,
+    // which ptxas keeps on the stack and reloads each step)
+    const int m_count = max(0, (int(in_place(b.mask.row_end(key0))) + kBlockM - 1) / kBlockM - b.m_block_min);
+    for (int it = 0; it < m_count; ++it) {
+        const int s = it % kStages, sd = it % T::kStagesDO, q0 = (b.m_block_min + it) * kBlockM;
+        const u32 sQ_s = sQ + s * T::kQBytes, sdO_s = sdO + sd * T::kQBytes;
+        float acc_s[kNT * 4], acc_dp[kNT * 4];  // S, dP: 64 queries x this warpgroup's keys
+        // acc = A B^T over the head dim, A the 64 rows of Q or dO, B this warpgroup's keys of K or V
+        auto issue_ss = [&](float (&acc)[kNT * 4], u64 desc_a, u64 desc_b) {
+#pragma unroll
+            for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+                const u32 chunk = ks / 4, col_bytes = (ks % 4) * 32;
+                Wgmma<T::kWGKeys, Is_bf16>::ss(acc, gmma_desc_advance(desc_a, chunk * kBlockM * 128 + col_bytes),
+                                               gmma_desc_advance(desc_b, chunk * kBlockN * 128 + col_bytes), ks > 0);
+            }
+            wgmma_commit();
+        };
+        mbar_wait(b.q_full(s), (it / kStages) & 1);
+        mbar_wait(b.do_full(sd), (it / T::kStagesDO) & 1);
+        wgmma_fence();
+        issue_ss(acc_s, gmma_desc(sQ_s, 16, 1024), gmma_desc(in_place(sK + key_wg * 128), 16, 1024));
+        issue_ss(acc_dp, gmma_desc(sdO_s, 16, 1024), gmma_desc(in_place(sV + key_wg * 128), 16, 1024));
+        const float* lse_s = b.lse_stage(s);
+        const float lse[2] = {lse_s[row], lse_s[row + 8]};
+        wgmma_wait<1>();  // S done; dP still running
+        fence_regs(acc_s);
+        const bool needs_mask = q0 + kBlockM > seqlen_q || key0 + kBlockN > seqlen_k ||
+                                ((Is_causal || Is_local) && b.mask.tile_needs_mask(q0, b.n_block));
+        float dcap[kNT * 4];
+        Sm90ProbsKeysOnN<kNT, decltype(b.mask), Has_score_mod> probs{
+            acc_s, dcap, lse, mod, b.mask, Has_score_mod ? kLog2e : p.scale_log2, q0 + row, key0 + key_wg + 2 * t,
+            seqlen_q, seqlen_k, needs_mask};
+        if constexpr (Has_score_mod) mod.dispatch(probs);
+        else probs.template run<false, false>();
+        // the last q block's P^T and dS^T are read by both consumers' wgmmas, which each finished
+        // (wgmma_wait<0>) before coming here
+        if (it > 0) named_bar_sync(T::kBarPdSRead, T::kConsumers);
+        store_transposed(sPT, acc_s);
+        wgmma_wait<0>();  // dP done
+        fence_regs(acc_dp);
+        const float dsum[2] = {lse_s[kBlockM + row], lse_s[kBlockM + row + 8]};
+#pragma unroll
+        for (int i = 0; i < kNT * 4; ++i)
+            acc_dp[i] = acc_s[i] * (acc_dp[i] - dsum[(i % 4) / 2]) * (Has_score_mod ? dcap[i] : 1.f);
+        store_transposed(sdST, acc_dp);
+        fence_proxy_async_shared();  // P^T, dS^T visible to the wgmmas (async proxy)
+        named_bar_sync(T::kBarDS, T::kConsumers);
+
+        // dV^T += dO_i^T P^T: A dO_i's 64-column chunk (M-major: 16 queries 2048 bytes apart), B P^T
+        // (K-major: 16 queries 32 bytes apart)
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) fence_regs(acc_dv[mt]);
+        wgmma_fence();
+        const u64 desc_pt = gmma_desc(sPT, 16, 1024), desc_dst = gmma_desc(sdST, 16, 1024);
+        const u64 desc_do_m = gmma_desc(sdO_s + (col_wg / 64) * kBlockM * 128, kBlockM * 128, 1024);
+        const u64 desc_q_m = gmma_desc(sQ_s + (col_wg / 64) * kBlockM * 128, kBlockM * 128, 1024);
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk)
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+                Wgmma<kBlockN, Is_bf16>::ss_tn(acc_dv[mt], gmma_desc_advance(desc_do_m, mt * kBlockM * 128 + kk * 2048),
+                                               gmma_desc_advance(desc_pt, kk * 32), 1);
+        wgmma_commit();
+        // dQ_i = dS K_j over its columns: A dS^T (M-major: 16 keys 2048 bytes apart), B K (N-major,
+        // 64-column chunks kBlockN * 128 bytes apart)
+        const u64 desc_ds = gmma_desc(sdST, kBlockN * 128, 1024);
+        const u64 desc_k = gmma_desc(in_place(sK + (col_wg / 64) * kBlockN * 128), kBlockN * 128, 1024);
+        float acc_dq[T::kDQCols / 2];
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
+            Wgmma<T::kDQCols, Is_bf16>::ss_tt(acc_dq, gmma_desc_advance(desc_ds, kk * 2048),
+                                              gmma_desc_advance(desc_k, kk * 2048), kk > 0);
+        wgmma_commit();
+        // dK^T += Q_i^T dS^T, as dV^T
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) fence_regs(acc_dk[mt]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk)
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+                Wgmma<kBlockN, Is_bf16>::ss_tn(acc_dk[mt], gmma_desc_advance(desc_q_m, mt * kBlockM * 128 + kk * 2048),
+                                               gmma_desc_advance(desc_dst, kk * 32), 1);
+        wgmma_commit();
+        wgmma_wait<2>();  // dV^T done: dO_i free
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) fence_regs(acc_dv[mt]);
+        mbar_arrive(b.do_empty(sd));
+        wgmma_wait<1>();  // dQ_i done
+        fence_regs(acc_dq);
+        hand_off_dq<T>(smem, consumer, warp, g, t, acc_dq);
+        wgmma_wait<0>();  // dK^T done: Q_i, P^T, dS^T free
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) fence_regs(acc_dk[mt]);
+        mbar_arrive(b.q_empty(s));
+    }
+
+    // dK (times softmax_scale) and dV through shared memory, where stmatrix transposes the fragments
+    // into rows of keys (kHeadDim columns, padded by 16 bytes: 8 rows' units fall in different
+    // banks); the Q stages hold them once both consumers' last wgmmas have read Q.
+    constexpr int kRowBytes = kHeadDim * 2 + 16;
+    static_assert(2 * kBlockN * kRowBytes <= kStages * T::kQBytes, "dK, dV staged in the Q stages");
+    const u32 sdK = sQ, sdV = sQ + kBlockN * kRowBytes;
+    named_bar_sync(T::kBarDS, T::kConsumers);
+    {
+        const int i = lane / 8, r = lane % 8;
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int j0 = 0; j0 < kBlockN / 8; j0 += 2) {  // matrix i: key tile j0 + i / 2, columns 8 (i % 2) ..
+                const int col = col_wg + 64 * mt + 16 * warp + 8 * (i % 2);
+                const u32 offset = (8 * (j0 + i / 2) + r) * kRowBytes + col * 2;
+                const float* k4 = acc_dk[mt] + 4 * j0;
+                const float* v4 = acc_dv[mt] + 4 * j0;
+                const float sc = p.softmax_scale;
+                stmatrix_x4_trans(sdK + offset, pack_f32x2<Is_bf16>(k4[0] * sc, k4[1] * sc),
+                                  pack_f32x2<Is_bf16>(k4[2] * sc, k4[3] * sc),
+                                  pack_f32x2<Is_bf16>(k4[4] * sc, k4[5] * sc),
+                                  pack_f32x2<Is_bf16>(k4[6] * sc, k4[7] * sc));
+                stmatrix_x4_trans(sdV + offset, pack_f32x2<Is_bf16>(v4[0], v4[1]), pack_f32x2<Is_bf16>(v4[2], v4[3]),
+                                  pack_f32x2<Is_bf16>(v4[4], v4[5]), pack_f32x2<Is_bf16>(v4[6], v4[7]));
+            }
+    }
+    named_bar_sync(T::kBarDS, T::kConsumers);
+    // 16-byte units, consecutive threads along a row
+    u16* gdK = p.dk + b.batch * p.dk_batch_stride + b.head * p.dk_head_stride + i64(b.seq.k_start) * p.dk_row_stride;
+    u16* gdV = p.dv + b.batch * p.dv_batch_stride + b.head * p.dv_head_stride + i64(b.seq.k_start) * p.dv_row_stride;
+    constexpr int kUnits = kHeadDim / 8;
+    const unsigned char* staged = b.smem_ptr + T::kOffQ;
+    for (int idx = tid - 128; idx < kBlockN * kUnits; idx += T::kConsumers) {
+        const int r = idx / kUnits, u = idx % kUnits, key = key0 + r;
+        if (key < seqlen_k) {
+            *reinterpret_cast<uint4*>(gdK + key * p.dk_row_stride + 8 * u) =
+                *reinterpret_cast<const uint4*>(staged + r * kRowBytes + 16 * u);
+            *reinterpret_cast<uint4*>(gdV + key * p.dv_row_stride + 8 * u) =
+                *reinterpret_cast<const uint4*>(staged + kBlockN * kRowBytes + r * kRowBytes + 16 * u);
+        }
+    }
+}
+
+template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool Is_causal, bool Is_local, bool Is_bf16,
+          bool Is_deterministic, bool Has_score_mod>
+__global__ void __launch_bounds__(Sm90BwdTraits<kHeadDim, kBlockM, kBlockN, kStages>::kThreads, 1)
+flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
+    using T = Sm90BwdTraits<kHeadDim, kBlockM, kBlockN, kStages>;
+    const BwdParams& p = args.p;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const u32 smem = (smem_u32(smem_raw) + 1023) & ~1023u;
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        const u32 bar = smem + T::kOffBar;
+        mbar_init(bar, 1);  // K, V full
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(bar + 8 * (T::kMbarQFull + s), 1 + T::kStageLoaders);
+            mbar_init(bar + 8 * (T::kMbarQEmpty + s), T::kConsumers);
+        }
+        for (int s = 0; s < (T::kKeysOnN ? T::kStagesDO : 0); ++s) {
+            mbar_init(bar + 8 * (T::kMbarDOFull + s), 1);
+            mbar_init(bar + 8 * (T::kMbarDOEmpty + s), T::kConsumers);
+        }
+        mbar_fence_init();
+    }
+    __syncthreads();
+
+    // Block (key block, head, batch), key blocks of a head adjacent; the last key block first where
+    // the deterministic mode adds a q block's tiles from its last key block down (bwd_producer).
+    constexpr bool kLastKeysFirst = Is_deterministic && (Is_causal || Is_local);
+    const int num_n_blocks = (p.max_seqlen_k + kBlockN - 1) / kBlockN;
+    const int n_index = blockIdx.x % num_n_blocks, hb = blockIdx.x / num_n_blocks;
+    const int n_block = kLastKeysFirst ? num_n_blocks - 1 - n_index : n_index;
+    const int head = hb % p.nheads, batch = hb / p.nheads;
+    const SeqLens seq(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.max_seqlen_q, p.max_seqlen_k);
+    const int key0 = n_block * kBlockN;
+    if (key0 >= seq.seqlen_k) return;  // varlen: past this sequence's end
+    const int band_offset = p.align_bottom_right ? seq.seqlen_k - seq.seqlen_q : 0;
+    const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seq.seqlen_q, seq.seqlen_k, band_offset, p.window_left,
+                                                           p.window_right};
+    const ScoreMod mod(p.softmax_scale, p.softcap, p.alibi_slopes, p.alibi_batch_stride, batch, head, band_offset);
+    const int m_block_min = mask.row_begin(key0) / kBlockM;
+    const Sm90BwdBlock<T, Is_causal, Is_local> b{
+        smem_raw + (smem - smem_u32(smem_raw)), smem, seq, mask, n_block, head, batch, key0, m_block_min,
+        max(0, (mask.row_end(key0) + kBlockM - 1) / kBlockM - m_block_min), p.cu_seqlens_q ? 0 : batch};
+
+    if (tid < 128) {
+        bwd_producer<T, Is_causal, Is_local, Is_deterministic>(args, b, tid, kLastKeysFirst);
+        return;
+    }
+    regs_claim<T::kConsumerRegs>();
+    if constexpr (T::kKeysOnN)
+        bwd_consumer_keys_on_n<T, Is_causal, Is_local, Is_bf16, Has_score_mod>(p, b, mod, tid);
+    else
+        bwd_consumer_keys_on_m<T, Is_causal, Is_local, Is_bf16, Has_score_mod>(p, b, mod, tid);
 }

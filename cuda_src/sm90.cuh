@@ -74,6 +74,17 @@ FC_DEVICE u32 in_place(u32 x) {
 FC_DEVICE void st_shared_f32x2(u32 addr, float a, float b) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
+// stmatrix .trans: 8 x 8 b16 matrices, each held as an mma fragment (lane 4 g + t: row g, columns
+// 2 t, 2 t + 1, packed), stored transposed: lane 8 i + r gives the address of row r of matrix i
+// (16 bytes), which receives column r of the fragment. x2 reads addresses from lanes 0-15 only.
+FC_DEVICE void stmatrix_x4_trans(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+FC_DEVICE void stmatrix_x2_trans(u32 addr, u32 r0, u32 r1) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(addr), "r"(r0), "r"(r1)
+                 : "memory");
+}
 // Orders this thread's shared-memory writes before later async-proxy reads of them (with a barrier
 // between the writers and the thread that issues the wgmma).
 FC_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -132,7 +143,9 @@ FC_DEVICE u64 gmma_desc_advance(u64 desc, u32 bytes) {
     return (desc & 0xFFFFFFFF00000000ull) | u32(u32(desc) + (bytes >> 4));
 }
 
+#define FC_REGS_12 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}"
 #define FC_REGS_16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define FC_REGS_24 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}"
 #define FC_REGS_32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define FC_REGS_40 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
 #define FC_REGS_48 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
@@ -149,7 +162,9 @@ FC_DEVICE u64 gmma_desc_advance(u64 desc, u32 bytes) {
 #define FC_AREGS_128 "{%128, %129, %130, %131}"
 #define FC_ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
                       "+f"(d[i + 6]), "+f"(d[i + 7])
+#define FC_ACC12(d) FC_ACC8(d, 0), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
 #define FC_ACC16(d) FC_ACC8(d, 0), FC_ACC8(d, 8)
+#define FC_ACC24(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16)
 #define FC_ACC32(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24)
 #define FC_ACC40(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24), FC_ACC8(d, 32)
 #define FC_ACC48(d) FC_ACC8(d, 0), FC_ACC8(d, 8), FC_ACC8(d, 16), FC_ACC8(d, 24), FC_ACC8(d, 32), FC_ACC8(d, 40)
@@ -176,7 +191,8 @@ FC_DEVICE u64 gmma_desc_advance(u64 desc, u32 bytes) {
 
 template <int N, bool Is_bf16>
 struct Wgmma {
-    static_assert(N == 32 || N == 64 || N == 80 || N == 96 || N == 128 || N == 176 || N == 192 || N == 256,
+    static_assert(N == 24 || N == 32 || N == 48 || N == 64 || N == 80 || N == 96 || N == 128 || N == 176 || N == 192 ||
+                      N == 256,
                   "wgmma N of the sm90 kernels (add its register lists above for another)");
     static constexpr int kRegs = N / 2;  // float32 accumulators per thread
 
@@ -185,6 +201,7 @@ struct Wgmma {
         if constexpr (Is_bf16) MACRO(NN, R, "bf16", __VA_ARGS__); else MACRO(NN, R, "f16", __VA_ARGS__); \
     }
     static FC_DEVICE void ss(float (&d)[kRegs], u64 desc_a, u64 desc_b, int scale_d) {
+        FC_WGMMA_CASE(24, 12, FC_WGMMA_SS, 12, 13, 14, "0, 0")
         FC_WGMMA_CASE(64, 32, FC_WGMMA_SS, 32, 33, 34, "0, 0")
         FC_WGMMA_CASE(80, 40, FC_WGMMA_SS, 40, 41, 42, "0, 0")
         FC_WGMMA_CASE(96, 48, FC_WGMMA_SS, 48, 49, 50, "0, 0")
@@ -197,6 +214,11 @@ struct Wgmma {
     static FC_DEVICE void ss_tt(float (&d)[kRegs], u64 desc_a, u64 desc_b, int scale_d) {
         FC_WGMMA_CASE(32, 16, FC_WGMMA_SS, 16, 17, 18, "1, 1")
         FC_WGMMA_CASE(64, 32, FC_WGMMA_SS, 32, 33, 34, "1, 1")
+        FC_WGMMA_CASE(128, 64, FC_WGMMA_SS, 64, 65, 66, "1, 1")
+    }
+    // A MN-major, B K-major, both in shared memory
+    static FC_DEVICE void ss_tn(float (&d)[kRegs], u64 desc_a, u64 desc_b, int scale_d) {
+        FC_WGMMA_CASE(48, 24, FC_WGMMA_SS, 24, 25, 26, "1, 0")
     }
     static FC_DEVICE void rs(float (&d)[kRegs], const u32 (&a)[4], u64 desc_b) {
         FC_WGMMA_CASE(64, 32, FC_WGMMA_RS, 36, 37)

@@ -201,7 +201,7 @@ def _with_device_arrays(options: AttentionOptions) -> AttentionOptions:
     return options.with_arrays(slopes, sinks)
 
 
-def _family(direction: str, problem: Problem, device) -> registry.Family:
+def family_for(direction: str, problem: Problem, device) -> registry.Family:
     """The family a call runs on. FLASHCUPY_BACKEND applies to the directions that have a family of
     that name; backend= must name a family of this direction."""
     backend, source = requested_backend(problem.options)
@@ -223,7 +223,7 @@ def _forward(problem: Problem, q, k, v, return_lse):
             for name, a in (("q", q), ("k", k), ("v", v)):
                 check_pointer_alignment(name, a.data.ptr)
             device = device_info(q.device.id)
-            _family("fwd", problem, device).run(problem, device, q, k, v, out, lse)
+            family_for("fwd", problem, device).run(problem, device, q, k, v, out, lse)
     return (out, lse) if return_lse else out
 
 
@@ -243,7 +243,7 @@ def _backward(problem: Problem, dout, q, k, v, out, softmax_lse, grads):
                         ("dv", dv)):
             check_pointer_alignment(name, a.data.ptr)
         device = device_info(q.device.id)
-        delta = _family("bwd", p, device).run(p, device, dout, q, k, v, out, softmax_lse, dq, dk, dv)
+        delta = family_for("bwd", p, device).run(p, device, dout, q, k, v, out, softmax_lse, dq, dk, dv)
         if p.options.sinks is None:
             return dq, dk, dv
         # d loss / d sink_h = -sum over rows of exp(sink_h - LSE) * D: the sink's share of each

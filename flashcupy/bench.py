@@ -218,10 +218,11 @@ def new_record(shape: BenchShape, impl: str) -> dict:
 
 
 def flashcupy_families(shape: BenchShape) -> str | None:
-    """"fwd family / bwd family" that flashcupy dispatches this shape to on the current GPU."""
+    """"fwd family / bwd family" that flashcupy dispatches this shape to on the current GPU
+    (FLASHCUPY_BACKEND included)."""
+    from .api import family_for
     from .device import device_info
     from .problem import AttentionOptions, Problem
-    from .registry import select
 
     options = AttentionOptions(causal=shape.causal,
                                window_size=(-1, -1) if shape.window is None else (shape.window, 0))
@@ -229,7 +230,7 @@ def flashcupy_families(shape: BenchShape) -> str | None:
                              shape.nheads_k, shape.batch)
     try:
         info = device_info()
-        return " / ".join(select(direction, problem, info).name for direction in ("fwd", "bwd"))
+        return " / ".join(family_for(direction, problem, info).name for direction in ("fwd", "bwd"))
     except Exception:  # no GPU (tests of the table) or no family: the record still stands
         return None
 

@@ -3,8 +3,8 @@
 A family is one way of computing one direction of attention on a kind of GPU: its module says which
 problems it serves on which device (and why not), picks its tiles, plans and launches its kernels,
 and lists the variants CI compiles and `flashcupy compile` / `check` cover. Dispatch takes the first
-family in FAMILIES that serves the problem; `backend=` (or the FLASHCUPY_BACKEND environment
-variable) forces one by name.
+family in FAMILIES that serves the problem and does not pass it over (`passes_over`); `backend=`
+(or the FLASHCUPY_BACKEND environment variable) forces one by name.
 
 A new family is one module (a Family subclass) and one kernel source, added to `_family_classes`.
 """
@@ -29,6 +29,11 @@ class Family:
     def unsupported(self, problem, device) -> str | None:
         """None when this family computes `problem` on `device` (a DeviceInfo), else the reason."""
         raise NotImplementedError
+
+    def passes_over(self, problem, device) -> str | None:
+        """None when the dispatcher takes this family for a problem it serves; else why it leaves it
+        to the families after it (slower there, or not yet measured). backend= still runs it."""
+        return None
 
     def variant(self, problem, device):
         """The kernel variant (tiles included) this family launches for `problem` on `device`."""
@@ -74,7 +79,8 @@ def family_names(direction: str | None = None) -> list:
 
 def select(direction: str, problem, device, backend: str | None = None, source: str = "backend=") -> Family:
     """The family that computes `problem`: the one named `backend` (an error if it does not serve the
-    problem), else the first that serves it. `source` names where `backend` came from, for errors."""
+    problem), else the first that serves it and does not pass it over (the last that serves it, if
+    all do). `source` names where `backend` came from, for errors."""
     candidates = families(direction)
     if backend is not None:
         named = [f for f in candidates if f.name == backend]
@@ -85,10 +91,15 @@ def select(direction: str, problem, device, backend: str | None = None, source: 
         if reason is not None:
             raise ValueError(f"{source} {backend!r} cannot compute this {direction}: {reason}")
         return named[0]
-    reasons = []
+    reasons, serving = [], []
     for family in candidates:
         reason = family.unsupported(problem, device)
         if reason is None:
-            return family
-        reasons.append(f"{family.name}: {reason}")
+            if family.passes_over(problem, device) is None:
+                return family
+            serving.append(family)
+        else:
+            reasons.append(f"{family.name}: {reason}")
+    if serving:
+        return serving[-1]
     raise ValueError(f"no {direction} kernel family serves this problem on {device.name} ({'; '.join(reasons)})")

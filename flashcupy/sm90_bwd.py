@@ -2,9 +2,11 @@
 a producer warpgroup (cuda_src/bwd_sm90.cu), compiled by NVRTC for sm_90a. The preprocess, the dQ
 conversion and the GQA group sum are the sm80 family's kernels (sm80.run_backward).
 
-It serves head dims 64 and 128 on compute capability 9.0, with every option of the forward (masks,
-GQA, varlen, softcap, ALiBi, sinks) and the deterministic mode (each q block's dQ tiles added in
-key-block order, behind a semaphore); `unsupported` says why it leaves other problems to sm80.
+It serves head dims 64, 128 and 256 on compute capability 9.0, with every option of the forward
+(masks, GQA, varlen, softcap, ALiBi, sinks) and the deterministic mode (each q block's dQ tiles added
+in key-block order, behind a semaphore); `unsupported` says why it leaves other problems to sm80.
+Dispatch passes over head dim 256 (`passes_over`) until that tile has been measured on a GPU;
+backend="sm90" runs it.
 """
 
 from __future__ import annotations
@@ -18,27 +20,34 @@ from .configs import cpp_bool, mask_flags
 from .launch import LaunchPlan, grid_blocks
 from .sm90_fwd import ARCH, NVRTC_OPTIONS, HopperFamily, args_with_maps, hopper_unsupported, tensor_map_of
 
-HEAD_DIMS = (64, 128)
-BLOCK_N = 128   # keys per thread block: two consumer warpgroups of 64
-# Q, dO stages by (head dim, queries per step): 3 at d=128 measured level with 2, 4 at d=64 and 64
-# queries 1-7% faster than 2; with 128 queries at d=64, 2 fill shared memory
-STAGES = {(64, 128): 2, (64, 64): 4, (128, 64): 2}
+HEAD_DIMS = (64, 128, 256)
+UNMEASURED_HEAD_DIMS = (256,)  # served when named (backend="sm90"), passed over by dispatch
+# Keys per thread block: 128 (64 per consumer warpgroup, on the wgmma's M) up to head dim 128; 48 at
+# 256 (24 per consumer, on N), where dK^T and dV^T put the columns on M
+BLOCK_N = {64: 128, 128: 128, 256: 48}
+# Q stages by (head dim, queries per step): 3 at d=128 measured level with 2, 4 at d=64 and 64
+# queries 1-7% faster than 2; with 128 queries at d=64, 2 fill shared memory; at d=256 dO has one
+# stage of its own (Sm90BwdTraits::kStagesDO), elsewhere it shares Q's
+STAGES = {(64, 128): 2, (64, 64): 4, (128, 64): 2, (256, 64): 2}
 DQ_ROWS = 64    # rows of a consumer's dQ tile, dq_accum's TMA box (Sm90BwdTraits::kDQRows)
-THREADS = 128 * (1 + BLOCK_N // 64)
+THREADS = 128 * 3  # a producer and two consumer warpgroups
 ARGS_TMA_OFFSET = 512  # Sm90BwdArgs: BwdParams, then the q, k, v, dout, dq_accum tensor maps
 
 
 def block_m(head_dim: int, score_mod: bool) -> int:
     """Queries per step: 128 at head dim 64, where S^T and dP^T take 64 registers each; 64 at 128,
-    and with a score mod, whose registers do not fit beside them."""
+    at 256, and with a score mod, whose registers do not fit beside them."""
     return 128 if head_dim == 64 and not score_mod else 64
 
 
 def smem_bytes(head_dim: int, block_m: int, stages: int) -> int:
-    """K, V, stages x (Q, dO), 2 x dS^T, the dQ tile (float32, split between the consumers), stages x
-    (LSE, D), the mbarriers, 1024 bytes of alignment (Sm90BwdTraits)."""
-    return (2 * BLOCK_N * head_dim * 2 + 2 * stages * block_m * head_dim * 2 + 2 * BLOCK_N * block_m * 2
-            + block_m * head_dim * 4 + stages * 2 * block_m * 4 + (1 + 2 * stages) * 8 + 1024)
+    """K, V, stages x Q, dO's stages, 2 x dS^T (or P^T and dS^T), the dQ tile (float32, split between
+    the consumers), stages x (LSE, D), the mbarriers, 1024 bytes of alignment (Sm90BwdTraits)."""
+    block_n = BLOCK_N[head_dim]
+    stages_do = 1 if head_dim > 128 else stages
+    barriers = 1 + 2 * stages + (2 * stages_do if head_dim > 128 else 0)
+    return (2 * block_n * head_dim * 2 + (stages + stages_do) * block_m * head_dim * 2 + 2 * block_n * block_m * 2
+            + block_m * head_dim * 4 + stages * 2 * block_m * 4 + barriers * 8 + 1024)
 
 
 @dataclass(frozen=True)
@@ -56,9 +65,13 @@ class Sm90BwdVariant:
 
     @property
     def name_expression(self) -> str:
-        return (f"flash_bwd_sm90_kernel<{self.head_dim}, {self.block_m}, {BLOCK_N}, {self.stages}, "
+        return (f"flash_bwd_sm90_kernel<{self.head_dim}, {self.block_m}, {self.block_n}, {self.stages}, "
                 f"{mask_flags(self.mask)}, {cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.deterministic)}, "
                 f"{cpp_bool(self.score_mod)}>")
+
+    @property
+    def block_n(self) -> int:
+        return BLOCK_N[self.head_dim]
 
     @property
     def smem_bytes(self) -> int:
@@ -66,10 +79,11 @@ class Sm90BwdVariant:
 
     @property
     def layout_check(self) -> str:
-        return build.smem_check(f"Sm90BwdTraits<{self.head_dim}, {self.block_m}, {BLOCK_N}, {self.stages}>", self)
+        return build.smem_check(f"Sm90BwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, {self.stages}>",
+                                self)
 
     def __str__(self) -> str:
-        return (f"bwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask} tile={self.block_m}x{BLOCK_N} "
+        return (f"bwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask} tile={self.block_m}x{self.block_n} "
                 f"stages={self.stages}" + (" deterministic" if self.deterministic else "")
                 + (" score_mod" if self.score_mod else ""))
 
@@ -93,6 +107,11 @@ class Sm90Backward(HopperFamily):
     def unsupported(self, problem, device):
         return hopper_unsupported(problem, device, HEAD_DIMS, lambda: self.variant(problem, device).smem_bytes)
 
+    def passes_over(self, problem, device):
+        if problem.head_dim in UNMEASURED_HEAD_DIMS:
+            return f"its head dim {problem.head_dim} tile is not yet measured on a GPU; the sm80 backward runs it"
+        return None
+
     def variant(self, problem, device) -> Sm90BwdVariant:
         return variant(problem.head_dim, problem.dtype, problem.band.mask, problem.options.deterministic,
                        problem.score_mod)
@@ -107,11 +126,11 @@ class Sm90Backward(HopperFamily):
     def run(self, problem, device, dout, q, k, v, out, lse, dq, dk, dv):
         """dq, dk, dv written; returns D = rowsum(dO * O), laid out as the LSE."""
         var = self.variant(problem, device)
-        blocks = grid_blocks(-(-problem.max_seqlen_k // BLOCK_N) * problem.nheads * problem.batch,
+        blocks = grid_blocks(-(-problem.max_seqlen_k // var.block_n) * problem.nheads * problem.batch,
                              "the backward's key blocks")
         plan = LaunchPlan((blocks, 1, 1), (THREADS, 1, 1), var.smem_bytes)
-        maps = (tensor_map_of(q, problem.dtype, var.block_m), tensor_map_of(k, problem.dtype, BLOCK_N),
-                tensor_map_of(v, problem.dtype, BLOCK_N), tensor_map_of(dout, problem.dtype, var.block_m))
+        maps = (tensor_map_of(q, problem.dtype, var.block_m), tensor_map_of(k, problem.dtype, var.block_n),
+                tensor_map_of(v, problem.dtype, var.block_n), tensor_map_of(dout, problem.dtype, var.block_m))
 
         def main(args, plans, dq_accum):
             kernel_args = pack_args(args[0].tobytes(), maps + (tensor_map_of(dq_accum, "float32", DQ_ROWS),))

@@ -15,7 +15,7 @@ from cli_helpers import FAKE_GPU, invoke, on_gpu
 # per Hopper device: fwd sm90 (4 head dims x 2 dtypes x 3 masks x score mods off/on) and sm80 (6 head
 # dims ...), bwd sm90 (d=64, 128 with every option) and sm80 (144 main + 36 helpers)
 FWD_KERNELS = 48 + 72
-BWD_KERNELS = 48 + 180  # sm90 (d=64, 128 x 2 dtypes x 3 masks x deterministic, score mods), sm80 main + helpers
+BWD_KERNELS = 72 + 180  # sm90 (d=64, 128, 256 x 2 dtypes x 3 masks x deterministic, score mods), sm80 main + helpers
 ALL_KERNELS = FWD_KERNELS + BWD_KERNELS
 
 
@@ -396,5 +396,5 @@ def test_info_lists_the_families_and_who_serves_what(cache, fake_gpu):
         assert f"  {family.direction} {family.name:<8}{family.summary}" in out
     for head_dim in configs.SUPPORTED_HEAD_DIMS:
         fwd = "sm90" if head_dim in sm90_fwd.HEAD_DIMS else "sm80"
-        bwd = "sm90" if head_dim in sm90_bwd.HEAD_DIMS else "sm80"
+        bwd = "sm90" if head_dim in sm90_bwd.HEAD_DIMS and head_dim not in sm90_bwd.UNMEASURED_HEAD_DIMS else "sm80"
         assert f"  d={head_dim:<4}plain: {fwd} / {bwd}  causal: {fwd} / {bwd}" in out

@@ -28,7 +28,9 @@ def test_dispatch_takes_the_first_family_that_serves():
     assert isinstance(registry.select("fwd", sketch(96), HOPPER), sm80.Sm80Forward)  # not an sm90 head dim
     assert isinstance(registry.select("fwd", sketch(), AMPERE), sm80.Sm80Forward)
     assert isinstance(registry.select("bwd", sketch(causal=True), HOPPER), sm90_bwd.Sm90Backward)
-    assert isinstance(registry.select("bwd", sketch(256), HOPPER), sm80.Sm80Backward)  # not an sm90 head dim
+    assert isinstance(registry.select("bwd", sketch(96), HOPPER), sm80.Sm80Backward)  # not an sm90 head dim
+    assert isinstance(registry.select("bwd", sketch(256), HOPPER), sm80.Sm80Backward)  # sm90 passes it over
+    assert isinstance(registry.select("bwd", sketch(256), HOPPER, "sm90"), sm90_bwd.Sm90Backward)  # unless named
     assert isinstance(registry.select("bwd", sketch(64), HOPPER), sm90_bwd.Sm90Backward)
     assert isinstance(registry.select("bwd", sketch(64), HOPPER, "sm90"), sm90_bwd.Sm90Backward)  # unless named
     assert isinstance(registry.select("bwd", sketch(softcap=5.0), HOPPER), sm90_bwd.Sm90Backward)
@@ -76,17 +78,17 @@ def test_environment_forces_where_a_direction_has_the_family(monkeypatch):
                         lambda direction=None: every if direction is None else
                         tuple(f for f in every if f.direction == direction))
     monkeypatch.setenv(BACKEND_ENV, "sm80")
-    assert api._family("fwd", sketch(64), HOPPER).name == "sm80"  # forced past picky
+    assert api.family_for("fwd", sketch(64), HOPPER).name == "sm80"  # forced past picky
     monkeypatch.setenv(BACKEND_ENV, "picky")
-    assert api._family("fwd", sketch(64), HOPPER) is picky
-    assert api._family("bwd", sketch(64), HOPPER).name == "sm80"  # no backward named picky: automatic
+    assert api.family_for("fwd", sketch(64), HOPPER) is picky
+    assert api.family_for("bwd", sketch(64), HOPPER).name == "sm80"  # no backward named picky: automatic
     monkeypatch.setenv(BACKEND_ENV, "nonesuch")
     with pytest.raises(ValueError, match=f"{BACKEND_ENV}='nonesuch' names no kernel family"):
-        api._family("fwd", sketch(64), HOPPER)
+        api.family_for("fwd", sketch(64), HOPPER)
     # the argument wins over the environment, and must name a family of its direction
     problem = Problem.sketch(64, "bfloat16", AttentionOptions(backend="picky"))
     with pytest.raises(ValueError, match="backend= 'picky' is not a bwd kernel family"):
-        api._family("bwd", problem, HOPPER)
+        api.family_for("bwd", problem, HOPPER)
 
 
 def test_options_are_checked_once_where_they_are_given():
@@ -103,3 +105,41 @@ def test_options_are_checked_once_where_they_are_given():
         api.FlashAttention(softcap=float("nan"))
     with pytest.raises(TypeError, match="deterministic"):
         api.FlashAttention(deterministic=None)
+
+
+def test_a_family_that_passes_over_a_problem_yields_to_the_next():
+    """passes_over leaves a problem to a later family that serves it, and runs it when none does."""
+
+    class Slow(registry.Family):
+        name, direction = "slow", "bwd"
+
+        def unsupported(self, problem, device):
+            return None
+
+        def passes_over(self, problem, device):
+            return "slower here"
+
+    class Refuses(registry.Family):
+        name, direction = "refuses", "bwd"
+
+        def unsupported(self, problem, device):
+            return "no"
+
+    slow, refuses, sm80_bwd = Slow(), Refuses(), sm80.Sm80Backward()
+    original = registry._instances
+    try:
+        registry._instances = lambda: (slow, sm80_bwd)
+        assert registry.select("bwd", sketch(), HOPPER) is sm80_bwd
+        registry._instances = lambda: (slow, refuses)
+        assert registry.select("bwd", sketch(), HOPPER) is slow
+        assert registry.select("bwd", sketch(), HOPPER, "slow") is slow
+    finally:
+        registry._instances = original
+
+
+def test_the_sm90_backward_passes_over_only_unmeasured_head_dims():
+    family = sm90_bwd.Sm90Backward()
+    for head_dim in sm90_bwd.HEAD_DIMS:
+        reason = family.passes_over(sketch(head_dim), HOPPER)
+        assert (reason is not None) == (head_dim in sm90_bwd.UNMEASURED_HEAD_DIMS)
+        assert family.unsupported(sketch(head_dim), HOPPER) is None  # served, so backend="sm90" runs it

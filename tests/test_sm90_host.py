@@ -55,14 +55,17 @@ def test_backward_args_layout():
         assert args[512 + 128 * i:640 + 128 * i] == m
 
 
-@pytest.mark.parametrize("head_dim, score_mod, block_m", [(64, False, 128), (64, True, 64), (128, False, 64),
-                                                          (128, True, 64)])
-def test_backward_query_steps(head_dim, score_mod, block_m):
+@pytest.mark.parametrize("head_dim, score_mod, block_m, block_n", [
+    (64, False, 128, 128), (64, True, 64, 128), (128, False, 64, 128), (128, True, 64, 128), (256, False, 64, 48),
+    (256, True, 64, 48)])
+def test_backward_tiles(head_dim, score_mod, block_m, block_n):
     """The sm90 backward's queries per step (its kernel template's kBlockM, the semaphores' q block
-    and the Q/dO boxes): 128 at head dim 64 unless a score mod needs the registers; every variant
-    fits the H100/H200's 227 KiB of shared memory per block."""
+    and the Q/dO boxes): 128 at head dim 64 unless a score mod needs the registers; its keys per
+    block (kBlockN, the K/V boxes, the grid): 48 at head dim 256; every variant fits the H100/H200's
+    227 KiB of shared memory per block."""
     from flashcupy import sm90_bwd
 
     v = sm90_bwd.variant(head_dim, "bfloat16", "causal", score_mod=score_mod)
-    assert v.block_m == block_m and f"<{head_dim}, {block_m}, 128, {v.stages}," in v.name_expression
-    assert f"tile={block_m}x128" in str(v) and v.smem_bytes <= 227 * 1024
+    assert (v.block_m, v.block_n) == (block_m, block_n)
+    assert f"<{head_dim}, {block_m}, {block_n}, {v.stages}," in v.name_expression
+    assert f"tile={block_m}x{block_n}" in str(v) and v.smem_bytes <= 227 * 1024
