@@ -79,3 +79,37 @@ struct BwdParams : FwdParams {   // out and lse are the forward's results here
     int rows_seqlen_k;
     int nheads_k;
 };
+
+struct DecodeParams : FwdParams {  // q, k, v: the queries (rotated, with rotary tables) and the caches
+    u16* k_cache;                // k and v again, written by the append
+    u16* v_cache;
+    const u16* k_new;            // (batch, seqlen_new, nheads_k, headdim), appended at cache_seqlens; null: none
+    const u16* v_new;
+    const u16* q_source;         // rotary: the caller's q, rotated into q_rotated (which is q)
+    u16* q_rotated;
+    const u16* rotary_cos;       // (seqlen_ro, rotary_dim / 2) in the input dtype; null: no rotary
+    const u16* rotary_sin;
+    const int* cache_seqlens;    // (batch) cache rows before the new keys, counted from row 0
+    const int* cache_batch_idx;  // (batch) cache entry of each sequence; null: its own
+    const int* cache_leftpad;    // (batch) first key row; null: 0
+    const int* block_table;      // (batch, max_blocks) block indices of a paged cache; null: contiguous
+    float* out_partial;          // (splits, batch, nheads, seqlen_q, headdim) float32 when num_splits > 1
+    float* lse_partial;          // (splits, batch, nheads, seqlen_q)
+    i64 knew_batch_stride;
+    i64 knew_row_stride;
+    i64 knew_head_stride;
+    i64 vnew_batch_stride;
+    i64 vnew_row_stride;
+    i64 vnew_head_stride;
+    i64 qsrc_batch_stride;
+    i64 qsrc_row_stride;
+    i64 qsrc_head_stride;
+    i64 block_table_batch_stride;
+    int page_size;               // paged: rows per block (k's batch stride is then the block stride)
+    int seqlen_new;
+    int num_splits;
+    int heads_per_block;         // query heads packed into a block's rows: heads_per_kv_head, or 1
+    int rotary_dim;
+    int rotary_interleaved;      // 1: pairs (2 j, 2 j + 1); 0: pairs (j, j + rotary_dim / 2)
+    int rotary_q_per_row;        // 1: query row i at position cache_seqlens + i; 0: all at cache_seqlens
+};

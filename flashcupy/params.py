@@ -42,7 +42,17 @@ BWD_OWN_FIELDS = (
     + _strides("do") + _strides("dq") + _strides("dk") + _strides("dv") + _strides("dk_kv") + _strides("dv_kv")
     + [(name, I32) for name in ("rows_batch", "rows_seqlen_q", "rows_seqlen_k", "nheads_k")]
 )
-STRUCTS = {"FwdParams": (FWD_FIELDS, None), "BwdParams": (BWD_OWN_FIELDS, "FwdParams")}
+# DecodeParams derives from FwdParams too (q, k, v: the queries and the caches).
+DECODE_OWN_FIELDS = (
+    [(name, PTR) for name in ("k_cache", "v_cache", "k_new", "v_new", "q_source", "q_rotated", "rotary_cos",
+                              "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table",
+                              "out_partial", "lse_partial")]
+    + _strides("knew") + _strides("vnew") + _strides("qsrc") + [("block_table_batch_stride", I64)]
+    + [(name, I32) for name in ("page_size", "seqlen_new", "num_splits", "heads_per_block", "rotary_dim",
+                                "rotary_interleaved", "rotary_q_per_row")]
+)
+STRUCTS = {"FwdParams": (FWD_FIELDS, None), "BwdParams": (BWD_OWN_FIELDS, "FwdParams"),
+           "DecodeParams": (DECODE_OWN_FIELDS, "FwdParams")}
 
 
 @functools.lru_cache(maxsize=None)

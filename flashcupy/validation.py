@@ -275,3 +275,123 @@ def _c_strides(shape) -> tuple:
         strides.append(step)
         step *= n
     return tuple(reversed(strides))
+
+
+# ----------------------------------------------------------------------------------------------
+# flash_attn_with_kvcache
+# ----------------------------------------------------------------------------------------------
+
+def check_kvcache_inputs(q: ArraySpec, k_cache: ArraySpec, v_cache: ArraySpec, k: ArraySpec | None,
+                         v: ArraySpec | None, block_table: ArraySpec | None, rotary_cos: ArraySpec | None,
+                         rotary_sin: ArraySpec | None, head_dims) -> None:
+    """Shapes, dtypes, layouts and devices of flash_attn_with_kvcache's arrays (the index arrays'
+    values are check_kvcache_values's)."""
+    if len(q.shape) != 4:
+        raise ValueError(f"q must have 4 dimensions (batch, seqlen_q, nheads, headdim); got shape {q.shape}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; flashcupy supports float16 and bfloat16")
+    batch, _, nheads, head_dim = q.shape
+    if head_dim not in head_dims:
+        raise ValueError(f"q's head dim {head_dim} is not one the kv-cache kernels support: {head_dims}")
+    layout = "(num_blocks, page_size, nheads_k, headdim)" if block_table else "(batch_cache, seqlen_cache, nheads_k, headdim)"
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if len(a.shape) != 4:
+            raise ValueError(f"{name} must have 4 dimensions {layout}; got shape {a.shape}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape; got {k_cache.shape} and {v_cache.shape}")
+    nheads_k = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache's head dim {k_cache.shape[3]} differs from q's {head_dim}")
+    if nheads_k == 0 or nheads % nheads_k:
+        raise ValueError(f"q's nheads ({nheads}) must be a multiple of the caches' nheads_k ({nheads_k})")
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new keys and values) must be given together")
+    arrays = [("k_cache", k_cache), ("v_cache", v_cache)]
+    if k is not None:
+        for name, a in (("k", k), ("v", v)):
+            if len(a.shape) != 4 or a.shape[0] != batch or a.shape[2:] != (nheads_k, head_dim) or a.shape[1] < 1:
+                raise ValueError(f"{name} must be (batch, seqlen_new >= 1, nheads_k, headdim) = ({batch}, seqlen_new, "
+                                 f"{nheads_k}, {head_dim}); got {a.shape}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
+        arrays += [("k", k), ("v", v)]
+    for name, a in arrays:
+        if a.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {a.dtype}; it must be q's ({q.dtype})")
+        if a.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}); got {a.device}")
+        _check_row_layout(name, a)
+    _check_row_layout("q", q)
+    if block_table is not None:
+        if block_table.dtype != np.int32 or len(block_table.shape) != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be int32 of shape (batch, max_blocks) with batch = {batch}; got "
+                             f"{block_table.dtype} {block_table.shape}")
+        if block_table.shape[1] > 1 and block_table.strides[1] != 1:
+            raise ValueError("block_table's rows must be contiguous; copy it with cupy.ascontiguousarray(block_table)")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table must be on q's device ({q.device}); got {block_table.device}")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos and rotary_sin apply to the new keys: give k and v with them")
+        for name, a in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if len(a.shape) != 2 or a.shape != rotary_cos.shape:
+                raise ValueError(f"{name} must be (seqlen_ro, rotary_dim / 2), both alike; got {a.shape}")
+            if a.dtype != q.dtype:
+                raise TypeError(f"{name} has dtype {a.dtype}; it must be q's ({q.dtype})")
+            if any(s != e for s, e, n in zip(a.strides, _c_strides(a.shape), a.shape) if n > 1):
+                raise ValueError(f"{name} must be C-contiguous; copy it with cupy.ascontiguousarray({name})")
+            if a.device != q.device:
+                raise ValueError(f"{name} must be on q's device ({q.device}); got {a.device}")
+        rotary_dim = 2 * rotary_cos.shape[1]
+        if rotary_dim % 16 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim = 2 x rotary_cos.shape[1] = {rotary_dim} must be a multiple of 16 and at "
+                             f"most the head dim {head_dim}")
+
+
+def check_index_array(name: str, a: ArraySpec, batch: int, device) -> None:
+    """cache_seqlens, cache_batch_idx, cache_leftpad: int32 (batch,), contiguous, on q's device."""
+    if a.dtype != np.int32 or a.shape != (batch,):
+        raise ValueError(f"{name} must be int32 of shape (batch,) = ({batch},); got {a.dtype} {a.shape}")
+    if batch > 1 and a.strides[0] != 1:
+        raise ValueError(f"{name} must be contiguous; copy it with cupy.ascontiguousarray({name})")
+    if a.device is not None and a.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}); got {a.device}")
+
+
+def check_kvcache_values(seqlens: np.ndarray, leftpad: np.ndarray | None, batch_idx: np.ndarray | None,
+                         block_table: np.ndarray | None, *, seqlen_new: int, capacity: int, cache_entries: int,
+                         seqlen_ro: int | None, rotary_q_per_row: bool, seqlen_q: int) -> None:
+    """The index arrays' values (host copies): every sequence's rows, the new ones included, inside its
+    cache; leftpad within them; cache_batch_idx entries in range and, when keys are appended,
+    distinct; the block table's blocks in range; the rotary tables long enough."""
+    end = seqlens.astype(np.int64) + seqlen_new
+    for b in range(seqlens.shape[0]):
+        if seqlens[b] < 0 or end[b] > capacity:
+            raise ValueError(f"cache_seqlens[{b}] = {seqlens[b]} plus the {seqlen_new} new keys does not fit the "
+                             f"cache's {capacity} rows per sequence")
+        if leftpad is not None and not 0 <= leftpad[b] <= seqlens[b]:
+            raise ValueError(f"cache_leftpad[{b}] = {leftpad[b]} must lie in [0, cache_seqlens[{b}] = {seqlens[b]}]")
+    if batch_idx is not None:
+        bad = np.flatnonzero((batch_idx < 0) | (batch_idx >= cache_entries))
+        if bad.size:
+            raise ValueError(f"cache_batch_idx[{bad[0]}] = {batch_idx[bad[0]]} is outside the cache's "
+                             f"{cache_entries} entries")
+        if seqlen_new and np.unique(batch_idx).size != batch_idx.size:
+            raise ValueError("cache_batch_idx must be distinct when new keys are appended (two sequences would write "
+                             "the same cache entry)")
+    if block_table is not None:
+        page_size = capacity // block_table.shape[1]
+        for b in range(seqlens.shape[0]):
+            used = block_table[b, :-(-int(end[b]) // page_size)]
+            bad = np.flatnonzero((used < 0) | (used >= cache_entries))
+            if bad.size:
+                raise ValueError(f"block_table[{b}, {bad[0]}] = {used[bad[0]]} is outside the cache's "
+                                 f"{cache_entries} blocks")
+    if seqlen_ro is not None:
+        last = int(end.max(initial=0)) - 1 if seqlen_new else 0
+        if rotary_q_per_row:
+            last = max(last, int(seqlens.max(initial=0)) + seqlen_q - 1)
+        if last >= seqlen_ro:
+            raise ValueError(f"rotary_cos and rotary_sin have {seqlen_ro} rows; positions up to {last} are rotated")

@@ -6,12 +6,14 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from flashcupy import build, registry, sm80
+from flashcupy import build, kvcache, registry, sm80
 
 
 def _compile_cases():
-    """Each family's CI cases (registry.Family.ci_cases), each (variant, arch) once."""
-    return list(dict.fromkeys(case for family in registry.families() for case in family.ci_cases()))
+    """Each family's CI cases (registry.Family.ci_cases), then the kv-cache kernels', each (variant,
+    arch) once."""
+    return list(dict.fromkeys([case for family in registry.families() for case in family.ci_cases()]
+                              + kvcache.ci_cases()))
 
 
 CASES = _compile_cases()
@@ -48,7 +50,8 @@ def test_every_kernel_is_covered():
                 assert v in compiled or plain in compiled, v
     names = {v.name_expression.split("<")[0] for v in compiled}
     assert names == {"flash_fwd_kernel", "flash_fwd_sm90_kernel", "flash_bwd_kernel", "flash_bwd_sm90_kernel",
-                     *sm80.BWD_HELPER_KERNELS}
+                     *sm80.BWD_HELPER_KERNELS, "flash_decode_kernel", *kvcache.HELPER_KERNELS}
+    assert set(kvcache.variants()) <= compiled
 
 
 def test_sources_inline_their_headers():

@@ -1,0 +1,181 @@
+"""flash_attn_with_kvcache against the float64 reference (decode_ref.kvcache_ref), on the GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_helpers import REL_TOL, check_lse, randn, rel_err, requires_gpu, to_host64
+
+pytestmark = requires_gpu
+
+
+def run_case(rng, *, batch, seqlen_q, nheads, nheads_k, head_dim=128, dtype_name="bfloat16", capacity=300,
+             seqlens, seqlen_new=0, page_size=None, rotary_dim=None, interleaved=True, num_splits=0, **options):
+    """Random caches (every row written: the rows outside a sequence's keys must not count), the new
+    keys appended, against the reference; returns the relative error of out."""
+    import cupy
+
+    import flashcupy
+    from flashcupy.decode_ref import kvcache_ref
+
+    q = randn(rng, (batch, seqlen_q, nheads, head_dim), dtype_name)
+    if page_size is None:
+        k_cache, v_cache = (randn(rng, (batch, capacity, nheads_k, head_dim), dtype_name) for _ in range(2))
+        table = None
+    else:
+        blocks_per_seq = -(-capacity // page_size)
+        num_blocks = batch * blocks_per_seq + 3  # spare blocks the table never names
+        k_cache, v_cache = (randn(rng, (num_blocks, page_size, nheads_k, head_dim), dtype_name) for _ in range(2))
+        table = rng.permutation(num_blocks)[:batch * blocks_per_seq].reshape(batch, blocks_per_seq).astype(np.int32)
+    k = v = cos = sin = None
+    if seqlen_new:
+        k, v = (randn(rng, (batch, seqlen_new, nheads_k, head_dim), dtype_name) for _ in range(2))
+    if rotary_dim:
+        angle = rng.standard_normal((capacity + seqlen_q, rotary_dim // 2)).astype(np.float32)
+        cos, sin = (cupy.asarray(f(angle)).astype(q.dtype) for f in (np.cos, np.sin))
+    k_host, v_host = to_host64(k_cache), to_host64(v_cache)
+    seqlens = np.asarray(seqlens, np.int32)
+    out, lse = flashcupy.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=cupy.asarray(seqlens),
+        block_table=None if table is None else cupy.asarray(table), rotary_cos=cos, rotary_sin=sin,
+        rotary_interleaved=interleaved, num_splits=num_splits, return_lse=True, **options)
+    ref_out, ref_lse, ref_k, ref_v = kvcache_ref(
+        to_host64(q), k_host, v_host, None if k is None else to_host64(k), None if v is None else to_host64(v),
+        cache_seqlens=seqlens, block_table=table, rotary_cos=None if cos is None else to_host64(cos),
+        rotary_sin=None if sin is None else to_host64(sin), rotary_interleaved=interleaved, **options)
+    out_h = to_host64(out)
+    assert not np.isnan(out_h).any(), "unwritten or NaN output"
+    err = rel_err(out_h, ref_out)
+    assert err < REL_TOL[dtype_name], f"out relative error {err:.2e}"
+    check_lse(lse, ref_lse)
+    # the caches, element by element: v exactly the reference's (appended rows copied, the rest
+    # untouched); k untouched outside the appended rows, which are rotated (rounded once)
+    k_after, v_after = to_host64(k_cache), to_host64(v_cache)
+    assert np.array_equal(v_after, ref_v), "v_cache differs from the reference's append"
+    appended = ref_k != k_host
+    assert np.array_equal(k_after[~appended], k_host[~appended]), "a cache row outside the appended ones was written"
+    if appended.any():
+        assert rel_err(k_after[appended], ref_k[appended]) < REL_TOL[dtype_name]
+    return err
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("nheads, nheads_k", [(8, 2), (4, 4), (8, 1)])
+def test_decode_one_token(dtype_name, head_dim, nheads, nheads_k):
+    rng = np.random.default_rng(head_dim + nheads_k)
+    run_case(rng, batch=4, seqlen_q=1, nheads=nheads, nheads_k=nheads_k, head_dim=head_dim, dtype_name=dtype_name,
+             seqlens=[0, 1, 129, 299], seqlen_new=1, causal=True)
+
+
+@pytest.mark.parametrize("seqlen_q", [2, 5, 8])
+def test_speculative_tokens(seqlen_q):
+    rng = np.random.default_rng(seqlen_q)
+    run_case(rng, batch=3, seqlen_q=seqlen_q, nheads=8, nheads_k=2, seqlens=[17, 0, 127], seqlen_new=seqlen_q,
+             causal=True)
+
+
+def test_chunked_prefill():
+    rng = np.random.default_rng(3)
+    run_case(rng, batch=2, seqlen_q=1000, nheads=4, nheads_k=2, capacity=4099, seqlens=[0, 3000], seqlen_new=1000,
+             causal=True)
+
+
+@pytest.mark.parametrize("seqlens", [[300, 300], [0, 0], [1, 17]])
+def test_full_and_empty_caches_without_append(seqlens):
+    rng = np.random.default_rng(sum(seqlens))
+    run_case(rng, batch=2, seqlen_q=1, nheads=8, nheads_k=2, seqlens=seqlens)
+
+
+@pytest.mark.parametrize("page_size", [16, 48, 64, 256])
+def test_paged_shuffled_tables(page_size):
+    rng = np.random.default_rng(page_size)
+    run_case(rng, batch=3, seqlen_q=1, nheads=8, nheads_k=2, capacity=600, seqlens=[0, 255, 598], seqlen_new=2,
+             page_size=page_size, causal=True)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rotary(interleaved, causal):
+    rng = np.random.default_rng(7 + interleaved)
+    run_case(rng, batch=2, seqlen_q=3, nheads=4, nheads_k=2, seqlens=[5, 200], seqlen_new=3, rotary_dim=64,
+             interleaved=interleaved, causal=causal)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 5, 16, 40])
+def test_every_split_count(num_splits):
+    """Up to more splits than the 300-key cache has key blocks (5)."""
+    rng = np.random.default_rng(num_splits)
+    run_case(rng, batch=2, seqlen_q=2, nheads=8, nheads_k=2, seqlens=[299, 64], seqlen_new=1, num_splits=num_splits,
+             causal=True)
+
+
+@pytest.mark.parametrize("options", [dict(softcap=30.0), dict(window_size=(100, 0)), dict(causal=True, softcap=5.0)],
+                         ids=["softcap", "window", "causal-softcap"])
+def test_options(options):
+    rng = np.random.default_rng(11)
+    run_case(rng, batch=2, seqlen_q=4, nheads=8, nheads_k=2, seqlens=[250, 20], seqlen_new=2, num_splits=3, **options)
+
+
+def test_alibi_and_sinks_one_head_per_block():
+    import cupy
+
+    rng = np.random.default_rng(13)
+    slopes = cupy.asarray(rng.uniform(0.01, 0.2, 8).astype(np.float32))
+    sinks = cupy.asarray(rng.standard_normal(8).astype(np.float32))
+    run_case(rng, batch=2, seqlen_q=2, nheads=8, nheads_k=2, seqlens=[250, 20], seqlen_new=1, num_splits=4,
+             causal=True, alibi_slopes=slopes, sinks=sinks)
+
+
+def test_many_sequences_beyond_the_sm_count():
+    rng = np.random.default_rng(17)
+    run_case(rng, batch=300, seqlen_q=1, nheads=4, nheads_k=1, head_dim=64, capacity=129,
+             seqlens=rng.integers(0, 129, 300), seqlen_new=0)
+
+
+def test_graph_capture_replays():
+    """A decode step captured into a CUDA graph (device index arrays, check_values=False) and replayed
+    twice gives the same result as the direct call."""
+    import cupy
+
+    import flashcupy
+
+    rng = np.random.default_rng(19)
+    q = randn(rng, (2, 1, 8, 128), "bfloat16")
+    k_cache, v_cache = (randn(rng, (2, 256, 2, 128), "bfloat16") for _ in range(2))
+    seqlens = cupy.asarray(np.array([10, 200], np.int32))
+    want = flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, check_values=False)
+    # a second call returns its blocks to CuPy's pool: the captured call allocates without cudaMalloc
+    spare = flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, check_values=False)
+    del spare
+    cupy.cuda.Device().synchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        got = flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, check_values=False)
+        graph = stream.end_capture()
+        for _ in range(2):
+            got.fill(0)
+            graph.launch(stream)
+            stream.synchronize()
+            assert cupy.array_equal(got, want)
+
+
+def test_bad_values_are_refused_before_any_launch():
+    import cupy
+
+    import flashcupy
+
+    rng = np.random.default_rng(23)
+    q = randn(rng, (2, 1, 8, 128), "bfloat16")
+    k_cache, v_cache = (randn(rng, (2, 16, 2, 128), "bfloat16") for _ in range(2))
+    k, v = (randn(rng, (2, 1, 2, 128), "bfloat16") for _ in range(2))
+    before = cupy.asnumpy(k_cache.view(cupy.uint16))
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 16 plus the 1 new keys"):
+        flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cupy.asarray(
+            np.array([3, 16], np.int32)))
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3,
+                                          cache_batch_idx=np.array([0, 5], np.int32))
+    assert np.array_equal(cupy.asnumpy(k_cache.view(cupy.uint16)), before)

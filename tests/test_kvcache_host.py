@@ -1,0 +1,229 @@
+"""The kv-cache path on the CPU: its reference (decode_ref) against plain attention, the split-KV
+merge, the split rule, the argument checks and the parameter layout."""
+
+import numpy as np
+import pytest
+
+from flashcupy import decode_ref, kvcache
+from flashcupy.device import DeviceInfo
+from flashcupy.reference import attention_ref
+from flashcupy.validation import ArraySpec, check_kvcache_inputs, check_kvcache_values
+
+RNG = np.random.default_rng(12)
+
+
+def spec(shape, dtype=np.float16, strides=None, device=0):
+    if strides is None:
+        strides, step = [], 1
+        for n in reversed(shape):
+            strides.append(step)
+            step *= n
+        strides = tuple(reversed(strides))
+    return ArraySpec(tuple(shape), np.dtype(dtype), tuple(strides), device)
+
+
+# ---- the reference ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_without_append_is_attention_over_each_sequences_rows(causal):
+    q = RNG.standard_normal((3, 2, 8, 64))
+    kc, vc = RNG.standard_normal((2, 3, 40, 2, 64))
+    seqlens = np.array([1, 17, 40], np.int32)
+    out, lse, kc2, vc2 = decode_ref.kvcache_ref(q, kc, vc, cache_seqlens=seqlens, causal=causal)
+    assert np.array_equal(kc2, kc) and np.array_equal(vc2, vc)
+    for b, n in enumerate(seqlens):
+        o, l = attention_ref(q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], causal=causal)
+        assert np.allclose(out[b], o[0]) and np.allclose(lse[b], l[0])
+
+
+def test_reference_appends_in_place_of_the_rows_it_names_only():
+    q = RNG.standard_normal((2, 3, 4, 32))
+    kc, vc = RNG.standard_normal((2, 2, 20, 2, 32))
+    k, v = RNG.standard_normal((2, 2, 3, 2, 32))
+    seqlens = np.array([0, 17], np.int32)
+    out, _, kc2, vc2 = decode_ref.kvcache_ref(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True)
+    for b, n in enumerate(seqlens):
+        assert np.array_equal(kc2[b, n:n + 3], k[b]) and np.array_equal(vc2[b, n:n + 3], v[b])
+        untouched = np.ones(20, bool)
+        untouched[n:n + 3] = False
+        assert np.array_equal(kc2[b, untouched], kc[b, untouched])
+        o, _ = attention_ref(q[b:b + 1], kc2[b:b + 1, :n + 3], vc2[b:b + 1, :n + 3], causal=True)
+        assert np.allclose(out[b], o[0])
+
+
+def test_reference_paged_equals_contiguous():
+    """A shuffled block table over pages of 16 rows gives the contiguous cache's results."""
+    batch, capacity, page = 2, 64, 16
+    q = RNG.standard_normal((batch, 1, 4, 64))
+    kc, vc = RNG.standard_normal((2, batch, capacity, 1, 64))
+    k, v = RNG.standard_normal((2, batch, 1, 1, 64))
+    seqlens = np.array([5, 40], np.int32)
+    order = RNG.permutation(batch * capacity // page)
+    table = order.reshape(batch, capacity // page).astype(np.int32)
+    kp, vp = np.zeros((batch * capacity // page, page, 1, 64)), np.zeros((batch * capacity // page, page, 1, 64))
+    for b in range(batch):
+        for j in range(capacity // page):
+            kp[table[b, j]], vp[table[b, j]] = kc[b, j * page:(j + 1) * page], vc[b, j * page:(j + 1) * page]
+    want = decode_ref.kvcache_ref(q, kc, vc, k, v, cache_seqlens=seqlens)
+    got = decode_ref.kvcache_ref(q, kp, vp, k, v, cache_seqlens=seqlens, block_table=table)
+    assert np.allclose(want[0], got[0]) and np.allclose(want[1], got[1])
+    for b in range(batch):
+        rows = np.arange(capacity)
+        assert np.array_equal(got[2][table[b, rows // page], rows % page], want[2][b])
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_rotates_pairs_and_keeps_the_rest(interleaved):
+    x = RNG.standard_normal((3, 2, 64))
+    angle = RNG.standard_normal((10, 16))
+    y = decode_ref.rotary_rotate(x, np.cos(angle), np.sin(angle), [4, 0, 9], interleaved)
+    assert np.array_equal(y[..., 32:], x[..., 32:])  # rotary_dim 32
+    first, second = (slice(0, 32, 2), slice(1, 32, 2)) if interleaved else (slice(0, 16), slice(16, 32))
+    for i, pos in enumerate([4, 0, 9]):
+        c, s = np.cos(angle[pos]), np.sin(angle[pos])
+        assert np.allclose(y[i, :, first], x[i, :, first] * c - x[i, :, second] * s)
+        assert np.allclose(y[i, :, second], x[i, :, first] * s + x[i, :, second] * c)
+
+
+def test_reference_rotates_new_keys_and_queries_at_their_rows():
+    q = RNG.standard_normal((1, 2, 2, 32))
+    kc, vc = RNG.standard_normal((2, 1, 10, 1, 32))
+    k, v = RNG.standard_normal((2, 1, 2, 1, 32))
+    angle = RNG.standard_normal((12, 16))
+    cos, sin = np.cos(angle), np.sin(angle)
+    out, _, kc2, vc2 = decode_ref.kvcache_ref(q, kc, vc, k, v, cache_seqlens=3, rotary_cos=cos, rotary_sin=sin,
+                                              rotary_interleaved=False, causal=True)
+    assert np.allclose(kc2[0, 3:5], decode_ref.rotary_rotate(k[0], cos, sin, [3, 4], False))
+    assert np.array_equal(vc2[0, 3:5], v[0])  # values are not rotated
+    q_rot = decode_ref.rotary_rotate(q[0], cos, sin, [3, 4], False)  # causal: query row i at row 3 + i
+    want, _ = attention_ref(q_rot[None], kc2[:, :5], vc2[:, :5], causal=True)
+    assert np.allclose(out, want)
+    out, _, _, _ = decode_ref.kvcache_ref(q, kc, vc, k, v, cache_seqlens=3, rotary_cos=cos, rotary_sin=sin,
+                                          rotary_interleaved=False)
+    q_rot = decode_ref.rotary_rotate(q[0], cos, sin, [3, 3], False)  # not causal: every row at row 3
+    want, _ = attention_ref(q_rot[None], kc2[:, :5], vc2[:, :5])
+    assert np.allclose(out, want)
+
+
+# ---- split-KV ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 40])
+@pytest.mark.parametrize("seqlen_k", [1, 17, 129, 300])
+def test_split_kv_merged_by_lse_equals_attention(num_splits, seqlen_k):
+    q = RNG.standard_normal((3, 4, 64))
+    k, v = RNG.standard_normal((2, seqlen_k, 2, 64))
+    out, lse = decode_ref.decode_split_kv(q, k, v, num_splits, 16, causal=True)
+    want, want_lse = attention_ref(q[None], k[None], v[None], causal=True)
+    assert np.allclose(out, want[0]) and np.allclose(lse, want_lse[0])
+
+
+def test_split_ranges_cover_the_keys_in_whole_blocks():
+    for seqlen_k in (1, 63, 64, 65, 1000):
+        for splits in (1, 2, 5, 40):
+            ranges = decode_ref.split_ranges(seqlen_k, splits, 64)
+            assert len(ranges) == splits and ranges[0][0] == 0 and ranges[-1][1] == seqlen_k
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            assert all(s % 64 == 0 for s, e in ranges if e > s)
+
+
+def test_merge_of_empty_parts():
+    outs = RNG.standard_normal((3, 2, 8))
+    out, lse = decode_ref.merge_partials(outs, np.full((3, 2), -np.inf))
+    assert np.array_equal(out, np.zeros((2, 8))) and np.all(lse == -np.inf)
+    out, lse = decode_ref.merge_partials(outs, np.array([[-np.inf, 0.5], [1.0, -np.inf], [-np.inf, -np.inf]]))
+    assert np.allclose(out[0], outs[1, 0]) and np.allclose(out[1], outs[0, 1]) and np.allclose(lse, [1.0, 0.5])
+
+
+def test_split_rule():
+    """No split when the blocks fill the GPU; else two blocks per SM, at least MIN_KEYS_PER_SPLIT
+    keys each."""
+    assert kvcache.num_splits_for(64, 8, 1, 8192, 132) == 1
+    assert kvcache.num_splits_for(1, 8, 1, 8192, 132) == 33  # 8 blocks -> 264
+    assert kvcache.num_splits_for(1, 8, 1, 2048, 132) == 2048 // kvcache.MIN_KEYS_PER_SPLIT
+    assert kvcache.num_splits_for(1, 1, 1, 64, 132) == 1  # too few keys to split
+    assert 1 <= kvcache.num_splits_for(1, 1, 1, 10**7, 132) <= kvcache.MAX_SPLITS
+
+
+# ---- argument checks ----------------------------------------------------------------------------
+
+def _inputs(**over):
+    base = dict(q=spec((2, 1, 8, 128)), k_cache=spec((2, 100, 2, 128)), v_cache=spec((2, 100, 2, 128)), k=None,
+                v=None, block_table=None, rotary_cos=None, rotary_sin=None)
+    base.update(over)
+    return base
+
+
+def test_kvcache_inputs_accepted():
+    check_kvcache_inputs(**_inputs(), head_dims=kvcache.HEAD_DIMS)
+    check_kvcache_inputs(**_inputs(k=spec((2, 3, 2, 128)), v=spec((2, 3, 2, 128)), rotary_cos=spec((200, 32)),
+                                   rotary_sin=spec((200, 32))), head_dims=kvcache.HEAD_DIMS)
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(q=spec((2, 8, 128))), "q must have 4 dimensions"),
+    (dict(q=spec((2, 1, 8, 96))), "head dim 96"),
+    (dict(v_cache=spec((2, 99, 2, 128))), "same shape"),
+    (dict(k_cache=spec((2, 100, 3, 128)), v_cache=spec((2, 100, 3, 128))), "multiple of"),
+    (dict(k_cache=spec((2, 100, 2, 128), np.float32), v_cache=spec((2, 100, 2, 128), np.float32)), "dtype"),
+    (dict(k=spec((2, 3, 2, 128))), "given together"),
+    (dict(k=spec((2, 0, 2, 128)), v=spec((2, 0, 2, 128))), "seqlen_new >= 1"),
+    (dict(k=spec((2, 3, 2, 128)), v=spec((2, 3, 2, 128), device=1)), "device"),
+    (dict(rotary_cos=spec((10, 32)), rotary_sin=spec((10, 32))), "give k and v"),
+    (dict(k=spec((2, 3, 2, 128)), v=spec((2, 3, 2, 128)), rotary_cos=spec((10, 36)), rotary_sin=spec((10, 36))),
+     "multiple of 16"),
+    (dict(block_table=spec((2, 4), np.int64)), "block_table must be int32"),
+    (dict(k_cache=spec((2, 100, 2, 128), strides=(25600, 256, 128, 2))), "contiguous in its last dimension"),
+])
+def test_kvcache_inputs_refused_naming_the_argument(over, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        check_kvcache_inputs(**_inputs(**over), head_dims=kvcache.HEAD_DIMS)
+
+
+def _values(**over):
+    base = dict(seqlens=np.array([10, 20], np.int32), leftpad=None, batch_idx=None, block_table=None, seqlen_new=1,
+                capacity=100, cache_entries=2, seqlen_ro=None, rotary_q_per_row=False, seqlen_q=1)
+    base.update(over)
+    return base
+
+
+def test_kvcache_values_accepted():
+    check_kvcache_values(**_values())
+    check_kvcache_values(**_values(seqlens=np.array([99, 0], np.int32), leftpad=np.array([5, 0], np.int32),
+                                   batch_idx=np.array([1, 0], np.int32)))
+    check_kvcache_values(**_values(block_table=np.array([[3, 0], [1, 2]], np.int32), cache_entries=4))
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(seqlens=np.array([10, 100], np.int32)), r"cache_seqlens\[1\] = 100 plus the 1 new keys"),
+    (dict(seqlens=np.array([-1, 0], np.int32)), r"cache_seqlens\[0\]"),
+    (dict(leftpad=np.array([0, 21], np.int32)), r"cache_leftpad\[1\] = 21"),
+    (dict(batch_idx=np.array([0, 2], np.int32)), r"cache_batch_idx\[1\] = 2 is outside"),
+    (dict(batch_idx=np.array([1, 1], np.int32)), "distinct"),
+    (dict(block_table=np.array([[0, 9], [1, 2]], np.int32), cache_entries=4, seqlens=np.array([60, 10], np.int32)),
+     r"block_table\[0, 1\] = 9"),
+    (dict(seqlen_ro=20), "rotary_cos and rotary_sin have 20 rows"),
+    (dict(seqlen_ro=22, rotary_q_per_row=True, seqlen_q=3), "positions up to 22"),
+])
+def test_kvcache_values_refused(over, match):
+    with pytest.raises(ValueError, match=match):
+        check_kvcache_values(**_values(**over))
+
+
+def test_unused_blocks_of_the_table_are_not_checked():
+    """Entries past a sequence's last row may hold anything (a padded table)."""
+    check_kvcache_values(**_values(block_table=np.array([[0, -1], [1, 99]], np.int32), cache_entries=4))
+
+
+def test_decode_variants_name_their_kernels():
+    names = [v.name_expression for v in kvcache.variants(head_dims=(128,), dtypes=("bfloat16",), masks=("causal",))]
+    assert names == ["flash_decode_kernel<128, 64, true, false, true, false>",  # block_n 64
+                     "flash_decode_kernel<128, 64, true, false, true, true>",
+                     "kvcache_append_kernel<true>", "rotary_q_kernel<true>", "flash_decode_combine_kernel<128, true>"]
+
+
+def test_decode_tiles_fit_every_gpu_that_runs_them():
+    """Every head dim's blocks fit the 99 KiB an Ampere/Ada block may have (A100 and Hopper more)."""
+    for v in kvcache.variants():
+        assert v.smem_bytes <= 99 * 1024, v
+    assert kvcache.unsupported(256, DeviceInfo(0, "RTX 4090", 89, 128, 99 * 1024, 24 << 30)) is None
+    assert "8.0" in kvcache.unsupported(128, DeviceInfo(0, "T4", 75, 40, 64 * 1024, 16 << 30))
