@@ -20,9 +20,10 @@ Attention: sequence b is plain attention (reference.attention_ref) of its seqlen
 its seqlen_k = cache_seqlens[b] - leftpad_b + seqlen_new keys, with every option of flash_attn_func
 (the masks aligned to the bottom right: the last query row is the last key's position).
 
-Split-KV (decode_split_kv): a sequence's keys are cut into num_splits ranges of whole key blocks;
-each range gives a partial output and LSE over its keys alone, and merge_partials combines them,
-exactly, by their LSEs. The same merge joins the blocks of ring attention.
+Split-KV (decode_split_kv, the decode kernel's plan written out): a sequence's keys are cut into
+num_splits shares of whole key blocks; each gives a partial output and LSE over its keys alone, and
+merge_partials combines them, exactly, by their LSEs. The same merge joins the blocks of ring
+attention.
 """
 
 from __future__ import annotations
@@ -123,44 +124,59 @@ def merge_partials(outs, lses):
     return out, lse
 
 
-def split_ranges(seqlen_k: int, num_splits: int, block_n: int) -> list:
-    """The key ranges [start, end) of the splits: whole blocks of block_n keys, as evenly as they
-    go (the first splits one block more); splits past the last block are empty."""
-    blocks = -(-seqlen_k // block_n)
-    per, extra = divmod(blocks, num_splits)
-    ranges, start = [], 0
-    for s in range(num_splits):
-        n = per + (s < extra)
-        ranges.append((min(start * block_n, seqlen_k), min((start + n) * block_n, seqlen_k)))
-        start += n
-    return ranges
+def split_blocks(n_first: int, n_blocks: int, num_splits: int, split: int) -> tuple:
+    """Key blocks [n_min, n_max) of split `split` among n_blocks from n_first: as evenly as they go,
+    the first splits one more; splits past the last block get none (flash_decode_kernel)."""
+    per, extra = divmod(n_blocks, num_splits)
+    n_min = n_first + split * per + min(split, extra)
+    return n_min, n_min + per + (split < extra)
 
 
-def decode_split_kv(q, k, v, num_splits: int, block_n: int, softmax_scale=None, causal=False):
-    """Split-KV attention of q (seqlen_q, nheads, d) over k, v (seqlen_k, nheads_k, d): each split's
-    partial output and LSE over its keys (bottom-right causal mask, as the whole sequence's), then
-    merge_partials -> (out (seqlen_q, nheads, d), lse (nheads, seqlen_q)), equal to attention_ref."""
+def decode_split_kv(q, k, v, num_splits: int, block_n: int, *, pack: int = 1, block_m: int = 64,
+                    softmax_scale=None, causal=False, window_size=(-1, -1)):
+    """flash_decode_kernel's plan for one sequence, in NumPy: q (seqlen_q, nheads, d) over k, v
+    (seqlen_k, nheads_k, d). A block takes `pack` query heads of one kv head (its row r is query
+    row r // pack of head first + r % pack) and block_m such rows; it sees the keys its first and
+    last query rows bound (the bottom-right band), cut into whole blocks of block_n keys, and split
+    `split` of them gives a partial output and LSE over its share (split_blocks); merge_partials
+    joins the splits -> (out (seqlen_q, nheads, d), lse (nheads, seqlen_q)), equal to attention_ref."""
     q, k, v = _f64(q), _f64(k), _f64(v)
     seqlen_q, nheads, d = q.shape
     seqlen_k, nheads_k, _ = k.shape
     group = nheads // nheads_k
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    rows = np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
-    outs, lses = [], []
-    for start, end in split_ranges(seqlen_k, num_splits, block_n):
-        o = np.zeros((nheads, seqlen_q, d))
-        l = np.full((nheads, seqlen_q), -np.inf)
-        for h in range(nheads):
-            s = q[:, h] @ k[start:end, h // group].T * scale
-            if causal:
-                s = np.where(np.arange(start, end)[None, :] <= rows, s, -np.inf)
-            m = s.max(axis=1, initial=-np.inf)
-            seen = np.isfinite(m)
-            e = np.exp(s - np.where(seen, m, 0.0)[:, None])
-            total = e.sum(axis=1)
-            o[h] = np.where(seen[:, None], e @ v[start:end, h // group] / np.where(seen, total, 1.0)[:, None], 0.0)
-            l[h] = np.where(seen, m + np.log(np.where(seen, total, 1.0)), -np.inf)
-        outs.append(o)
-        lses.append(l)
-    out, lse = merge_partials(np.stack(outs), np.stack(lses))
+    left, right = window_size
+    right = 0 if causal else right
+    offset = seqlen_k - seqlen_q
+    outs = np.zeros((num_splits, nheads, seqlen_q, d))
+    lses = np.full((num_splits, nheads, seqlen_q), -np.inf)
+    rows_total = seqlen_q * pack
+    for head0 in range(0, nheads, pack):
+        kv_head = head0 // group
+        for row0 in range(0, rows_total, block_m):
+            rows = np.arange(row0, min(row0 + block_m, rows_total))
+            qs, heads = rows // pack, head0 + rows % pack
+            key_begin = max(0, qs[0] + offset - left) if left >= 0 else 0
+            key_end = min(seqlen_k, qs[-1] + 1 + offset + right) if right >= 0 else seqlen_k
+            n_first = key_begin // block_n
+            n_blocks = max(0, -(-key_end // block_n) - n_first)
+            for split in range(num_splits):
+                n_min, n_max = split_blocks(n_first, n_blocks, num_splits, split)
+                keys = np.arange(n_min * block_n, n_max * block_n)
+                keys = keys[keys < seqlen_k]
+                s = np.einsum("rd,kd->rk", q[qs, heads], k[keys, kv_head]) * scale
+                seen = np.ones(s.shape, bool)
+                if right >= 0:
+                    seen &= keys[None, :] <= qs[:, None] + offset + right
+                if left >= 0:
+                    seen &= keys[None, :] >= qs[:, None] + offset - left
+                s = np.where(seen, s, -np.inf)
+                m = s.max(axis=1, initial=-np.inf)
+                some = np.isfinite(m)
+                e = np.exp(s - np.where(some, m, 0.0)[:, None])
+                total = e.sum(axis=1)
+                outs[split, heads, qs] = np.where(some[:, None], e @ v[keys, kv_head] /
+                                                  np.where(some, total, 1.0)[:, None], 0.0)
+                lses[split, heads, qs] = np.where(some, m + np.log(np.where(some, total, 1.0)), -np.inf)
+    out, lse = merge_partials(outs, lses)
     return out.transpose(1, 0, 2), lse

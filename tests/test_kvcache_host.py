@@ -108,22 +108,28 @@ def test_reference_rotates_new_keys_and_queries_at_their_rows():
 # ---- split-KV ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 40])
-@pytest.mark.parametrize("seqlen_k", [1, 17, 129, 300])
-def test_split_kv_merged_by_lse_equals_attention(num_splits, seqlen_k):
-    q = RNG.standard_normal((3, 4, 64))
-    k, v = RNG.standard_normal((2, seqlen_k, 2, 64))
-    out, lse = decode_ref.decode_split_kv(q, k, v, num_splits, 16, causal=True)
-    want, want_lse = attention_ref(q[None], k[None], v[None], causal=True)
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (1, 300), (3, 129), (17, 17), (40, 300), (300, 129)])
+@pytest.mark.parametrize("pack", [1, 4])
+@pytest.mark.parametrize("band", [dict(), dict(causal=True), dict(window_size=(50, 3)), dict(window_size=(-1, 0))],
+                         ids=["none", "causal", "window", "right0"])
+def test_the_decode_plan_merged_by_lse_equals_attention(num_splits, seqlen_q, seqlen_k, pack, band):
+    """Packed heads (pack 4: the 4 query heads of a kv head in one block), blocks of 16 rows and 16
+    keys, the band's key ranges, every split count up to more than the blocks."""
+    q = RNG.standard_normal((seqlen_q, 8, 32))
+    k, v = RNG.standard_normal((2, seqlen_k, 2, 32))
+    out, lse = decode_ref.decode_split_kv(q, k, v, num_splits, 16, pack=pack, block_m=16, **band)
+    want, want_lse = attention_ref(q[None], k[None], v[None], **band)
     assert np.allclose(out, want[0]) and np.allclose(lse, want_lse[0])
 
 
-def test_split_ranges_cover_the_keys_in_whole_blocks():
-    for seqlen_k in (1, 63, 64, 65, 1000):
+def test_split_blocks_share_the_blocks_evenly_in_order():
+    for n_blocks in (0, 1, 5, 64):
         for splits in (1, 2, 5, 40):
-            ranges = decode_ref.split_ranges(seqlen_k, splits, 64)
-            assert len(ranges) == splits and ranges[0][0] == 0 and ranges[-1][1] == seqlen_k
-            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-            assert all(s % 64 == 0 for s, e in ranges if e > s)
+            shares = [decode_ref.split_blocks(3, n_blocks, splits, s) for s in range(splits)]
+            assert shares[0][0] == 3 and shares[-1][1] == 3 + n_blocks
+            assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+            sizes = [b - a for a, b in shares]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
 
 def test_merge_of_empty_parts():
