@@ -188,26 +188,21 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         const int q = (row0 + r) / pack, head = head0 + (row0 + r) % pack;
         return p.q + batch * p.q_batch_stride + i64(q) * p.q_row_stride + head * p.q_head_stride;
     };
-    auto k_row = [&](int key0) {
-        return [&, key0](int r) -> const u16* {
+    // rows key0.. of the K or V cache (cache_row_offset), null past the keys
+    auto cache_rows = [&](const u16* cache, i64 row_stride, i64 batch_stride, i64 head_stride, int key0) {
+        return [&, cache, row_stride, batch_stride, head_stride, key0](int r) -> const u16* {
             const int key = key0 + r;
-            return key < seqlen_k ? p.k + cache_row_offset(p, batch, entry, kv_head, leftpad + key, p.k_row_stride,
-                                                           p.k_batch_stride, p.k_head_stride)
-                                  : nullptr;
-        };
-    };
-    auto v_row = [&](int key0) {
-        return [&, key0](int r) -> const u16* {
-            const int key = key0 + r;
-            return key < seqlen_k ? p.v + cache_row_offset(p, batch, entry, kv_head, leftpad + key, p.v_row_stride,
-                                                           p.v_batch_stride, p.v_head_stride)
+            return key < seqlen_k ? cache + cache_row_offset(p, batch, entry, kv_head, leftpad + key, row_stride,
+                                                             batch_stride, head_stride)
                                   : nullptr;
         };
     };
     // K and V of key block n into stage s, one cp.async group
     auto load_kv = [&](int n, int s) {
-        gather_tile<kBlockN, kHeadDim, T::kThreads>(sK_stage(s), tid, p.k, k_row(n * kBlockN));
-        gather_tile<kBlockN, kHeadDim, T::kThreads>(sV_stage(s), tid, p.v, v_row(n * kBlockN));
+        gather_tile<kBlockN, kHeadDim, T::kThreads>(
+            sK_stage(s), tid, p.k, cache_rows(p.k, p.k_row_stride, p.k_batch_stride, p.k_head_stride, n * kBlockN));
+        gather_tile<kBlockN, kHeadDim, T::kThreads>(
+            sV_stage(s), tid, p.v, cache_rows(p.v, p.v_row_stride, p.v_batch_stride, p.v_head_stride, n * kBlockN));
         cp_async_commit();
     };
     if (n_block_max > n_block_min) {  // Q and the last block; the one before it too

@@ -40,10 +40,11 @@ def run_case(rng, *, batch, seqlen_q, nheads, nheads_k, head_dim=128, dtype_name
         q, k_cache, v_cache, k, v, cache_seqlens=cupy.asarray(seqlens),
         block_table=None if table is None else cupy.asarray(table), rotary_cos=cos, rotary_sin=sin,
         rotary_interleaved=interleaved, num_splits=num_splits, return_lse=True, **options)
+    host_options = {n: cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else a for n, a in options.items()}
     ref_out, ref_lse, ref_k, ref_v = kvcache_ref(
         to_host64(q), k_host, v_host, None if k is None else to_host64(k), None if v is None else to_host64(v),
         cache_seqlens=seqlens, block_table=table, rotary_cos=None if cos is None else to_host64(cos),
-        rotary_sin=None if sin is None else to_host64(sin), rotary_interleaved=interleaved, **options)
+        rotary_sin=None if sin is None else to_host64(sin), rotary_interleaved=interleaved, **host_options)
     out_h = to_host64(out)
     assert not np.isnan(out_h).any(), "unwritten or NaN output"
     err = rel_err(out_h, ref_out)
