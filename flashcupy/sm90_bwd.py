@@ -5,8 +5,6 @@ conversion and the GQA group sum are the sm80 family's kernels (sm80.run_backwar
 It serves head dims 64, 128 and 256 on compute capability 9.0, with every option of the forward
 (masks, GQA, varlen, softcap, ALiBi, sinks) and the deterministic mode (each q block's dQ tiles added
 in key-block order, behind a semaphore); `unsupported` says why it leaves other problems to sm80.
-Dispatch passes over head dim 256 (`passes_over`) until that tile has been measured on a GPU;
-backend="sm90" runs it.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from .launch import LaunchPlan, grid_blocks
 from .sm90_fwd import ARCH, NVRTC_OPTIONS, HopperFamily, args_with_maps, hopper_unsupported, tensor_map_of
 
 HEAD_DIMS = (64, 128, 256)
-UNMEASURED_HEAD_DIMS = (256,)  # served when named (backend="sm90"), passed over by dispatch
 # Keys per thread block: 128 (64 per consumer warpgroup, on the wgmma's M) up to head dim 128; 48 at
 # 256 (24 per consumer, on N), where dK^T and dV^T put the columns on M
 BLOCK_N = {64: 128, 128: 128, 256: 48}
@@ -106,11 +103,6 @@ class Sm90Backward(HopperFamily):
 
     def unsupported(self, problem, device):
         return hopper_unsupported(problem, device, HEAD_DIMS, lambda: self.variant(problem, device).smem_bytes)
-
-    def passes_over(self, problem, device):
-        if problem.head_dim in UNMEASURED_HEAD_DIMS:
-            return f"its head dim {problem.head_dim} tile is not yet measured on a GPU; the sm80 backward runs it"
-        return None
 
     def variant(self, problem, device) -> Sm90BwdVariant:
         return variant(problem.head_dim, problem.dtype, problem.band.mask, problem.options.deterministic,

@@ -396,5 +396,5 @@ def test_info_lists_the_families_and_who_serves_what(cache, fake_gpu):
         assert f"  {family.direction} {family.name:<8}{family.summary}" in out
     for head_dim in configs.SUPPORTED_HEAD_DIMS:
         fwd = "sm90" if head_dim in sm90_fwd.HEAD_DIMS else "sm80"
-        bwd = "sm90" if head_dim in sm90_bwd.HEAD_DIMS and head_dim not in sm90_bwd.UNMEASURED_HEAD_DIMS else "sm80"
+        bwd = "sm90" if head_dim in sm90_bwd.HEAD_DIMS else "sm80"
         assert f"  d={head_dim:<4}plain: {fwd} / {bwd}  causal: {fwd} / {bwd}" in out

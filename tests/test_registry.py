@@ -29,8 +29,7 @@ def test_dispatch_takes_the_first_family_that_serves():
     assert isinstance(registry.select("fwd", sketch(), AMPERE), sm80.Sm80Forward)
     assert isinstance(registry.select("bwd", sketch(causal=True), HOPPER), sm90_bwd.Sm90Backward)
     assert isinstance(registry.select("bwd", sketch(96), HOPPER), sm80.Sm80Backward)  # not an sm90 head dim
-    assert isinstance(registry.select("bwd", sketch(256), HOPPER), sm80.Sm80Backward)  # sm90 passes it over
-    assert isinstance(registry.select("bwd", sketch(256), HOPPER, "sm90"), sm90_bwd.Sm90Backward)  # unless named
+    assert isinstance(registry.select("bwd", sketch(256), HOPPER), sm90_bwd.Sm90Backward)
     assert isinstance(registry.select("bwd", sketch(64), HOPPER), sm90_bwd.Sm90Backward)
     assert isinstance(registry.select("bwd", sketch(64), HOPPER, "sm90"), sm90_bwd.Sm90Backward)  # unless named
     assert isinstance(registry.select("bwd", sketch(softcap=5.0), HOPPER), sm90_bwd.Sm90Backward)
@@ -135,11 +134,3 @@ def test_a_family_that_passes_over_a_problem_yields_to_the_next():
         assert registry.select("bwd", sketch(), HOPPER, "slow") is slow
     finally:
         registry._instances = original
-
-
-def test_the_sm90_backward_passes_over_only_unmeasured_head_dims():
-    family = sm90_bwd.Sm90Backward()
-    for head_dim in sm90_bwd.HEAD_DIMS:
-        reason = family.passes_over(sketch(head_dim), HOPPER)
-        assert (reason is not None) == (head_dim in sm90_bwd.UNMEASURED_HEAD_DIMS)
-        assert family.unsupported(sketch(head_dim), HOPPER) is None  # served, so backend="sm90" runs it
