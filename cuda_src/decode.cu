@@ -1,20 +1,28 @@
 // Attention over a KV cache (flashcupy/kvcache.py): the new keys appended in place (rotary applied),
-// then split-KV flash decoding, then the splits merged by their LSEs. sm80 instructions; runs on
-// sm80+. The spec is flashcupy/decode_ref.py.
+// then split-KV flash decoding, the splits merged by their LSEs. sm80 instructions; runs on sm80+.
+// The spec is flashcupy/decode_ref.py.
 //
 // kvcache_append_kernel: new key i of sequence b to cache row cache_seqlens[b] + i (paged: through
 //     the block table), rotated at that position when rotary tables are given; v likewise, unrotated.
 // rotary_q_kernel: q rotated into a scratch copy (row i at cache_seqlens[b] + i under a causal or
 //     band mask, else at cache_seqlens[b]).
-// flash_decode_kernel: one thread block per (packed q block, split, kv head group, sequence). The
-//     query heads that share a kv head are packed into the block's rows (row r: query row r /
-//     pack, head first_head + r % pack), so each K, V byte is read once per block; the block's
-//     keys are its split's share of the key blocks the rows see. Per key block as the sm80 forward
-//     (fwd.cu): S = Q K^T, mask, online softmax, O += P V; K, V rows found row by row (pages of any
-//     size). One split writes O and the LSE; several write float32 partials, each normalized over
-//     its own keys (LSE -inf where it saw none).
-// flash_decode_combine_kernel: one warp per (sequence, head, query row) merges the partials:
-//     lse = log(sum_s exp(lse_s) + exp(sink)), O = sum_s exp(lse_s - lse) O_s.
+// flash_decode_kernel (few query rows: decoding, speculative tokens): one thread block per (packed
+//     q block, split, kv head group, sequence). The query heads that share a kv head are packed
+//     into the block's rows (row r: query row r / pack, head first_head + r % pack), so each K, V
+//     byte is read once per block. The warps split the keys: per step a kStages-deep cp.async ring
+//     brings kBlockN keys, each warp takes 16 of them (S = Q K^T, mask, online softmax, O += P V
+//     over its keys alone, so shared memory is read once per byte), and at the end the warps'
+//     (max, sum, O) merge through shared memory. Memory-bound: the ring keeps several steps of K, V
+//     in flight.
+// flash_prefill_kernel (many query rows: chunked prefill): the warps split the rows, 16 each, and
+//     every warp reads every key block, as the sm80 forward (fwd.cu).
+// Both: K, V rows are found row by row (CacheRows: contiguous, or pages of any size). A block's
+//     keys are its split's share of the key blocks its rows see. One split writes O and the LSE;
+//     several write float32 partials, each normalized over its own keys (LSE -inf where it saw
+//     none), and the block that finishes a q block's last split merges them (merge_splits):
+//     lse = log(sum_s exp(lse_s) + exp(sink)), O = sum_s exp(lse_s - lse) O_s. (A merge kernel
+//     of its own measured slower on an H200: its start costs more than the count that finds the
+//     last split's block.)
 #include "ptx.cuh"
 #include "tile.cuh"
 #include "warp_mma.cuh"
@@ -23,21 +31,47 @@
 #include "mask.cuh"
 #include "score_mod.cuh"
 #include "params.cuh"
-
-// Cache row `row` (from the sequence's first row) of kv head `kv_head`: contiguous, the batch entry's
-// row; paged, row row % page_size of block block_table[row / page_size].
-FC_DEVICE i64 cache_row_offset(const DecodeParams& p, int batch, int entry, int kv_head, int row, i64 row_stride,
-                               i64 batch_stride, i64 head_stride) {
-    if (p.block_table) {
-        const int block = p.block_table[batch * p.block_table_batch_stride + row / p.page_size];
-        return block * batch_stride + (row % p.page_size) * row_stride + kv_head * head_stride;
-    }
-    return entry * batch_stride + i64(row) * row_stride + kv_head * head_stride;
-}
+#include "sm90.cuh"
 
 FC_DEVICE int cache_entry(const DecodeParams& p, int batch) {
     return p.cache_batch_idx ? p.cache_batch_idx[batch] : batch;
 }
+
+// Where the cache rows of one (sequence, kv head) lie. Row `row` counts from the sequence's first
+// cache row (cache_leftpad's rows included): contiguous, row `row` of the sequence's cache entry;
+// paged, row row % page_size of block block_table[row / page_size], the division by the page size
+// as a multiply and a shift (page_div_mul, page_div_shift: kvcache.page_divider).
+struct CacheRows {
+    u16* k;              // the kv head's first row: of the entry (contiguous) or of block 0 (paged)
+    u16* v;
+    i64 k_row, v_row;    // row strides
+    i64 k_block, v_block;  // paged: block strides
+    const int* table;    // the sequence's row of the block table; null: contiguous
+    u32 page_size, div_mul, div_shift;
+
+    FC_DEVICE CacheRows(const DecodeParams& p, int batch, int kv_head)
+        : k_row(p.k_row_stride), v_row(p.v_row_stride), k_block(p.k_batch_stride), v_block(p.v_batch_stride),
+          table(p.block_table ? p.block_table + batch * p.block_table_batch_stride : nullptr),
+          page_size(p.page_size), div_mul(u32(p.page_div_mul)), div_shift(p.page_div_shift) {
+        const i64 entry = table ? 0 : cache_entry(p, batch);
+        k = p.k_cache + entry * p.k_batch_stride + kv_head * p.k_head_stride;
+        v = p.v_cache + entry * p.v_batch_stride + kv_head * p.v_head_stride;
+    }
+
+    // Element offsets of cache row `row` in K and in V.
+    FC_DEVICE void find(int row, i64& k_at, i64& v_at) const {
+        if (table) {
+            const u32 page = u32((unsigned long long)(u32(row)) * div_mul >> div_shift);
+            const i64 block = table[page];
+            const i64 in_page = u32(row) - page * page_size;
+            k_at = block * k_block + in_page * k_row;
+            v_at = block * v_block + in_page * v_row;
+        } else {
+            k_at = i64(row) * k_row;
+            v_at = i64(row) * v_row;
+        }
+    }
+};
 
 // One 16-bit element as a float.
 template <bool Is_bf16>
@@ -85,15 +119,15 @@ template <bool Is_bf16>
 __global__ void kvcache_append_kernel(const __grid_constant__ DecodeParams p) {
     const int i = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z, chunk = threadIdx.x;
     const int row = p.cache_seqlens[batch] + i;  // its cache row, and its rotary position
-    const int entry = cache_entry(p, batch);
-    const i64 k_dst = cache_row_offset(p, batch, entry, kv_head, row, p.k_row_stride, p.k_batch_stride, p.k_head_stride);
-    const i64 v_dst = cache_row_offset(p, batch, entry, kv_head, row, p.v_row_stride, p.v_batch_stride, p.v_head_stride);
+    const CacheRows cache(p, batch, kv_head);
+    i64 k_at, v_at;
+    cache.find(row, k_at, v_at);
     const u16* k_src = p.k_new + batch * p.knew_batch_stride + i64(i) * p.knew_row_stride + kv_head * p.knew_head_stride;
     const u16* v_src = p.v_new + batch * p.vnew_batch_stride + i64(i) * p.vnew_row_stride + kv_head * p.vnew_head_stride;
     const u16* cos = p.rotary_cos ? p.rotary_cos + i64(row) * (p.rotary_dim / 2) : nullptr;
     const u16* sin = p.rotary_sin ? p.rotary_sin + i64(row) * (p.rotary_dim / 2) : nullptr;
-    copy_chunk_rotated<Is_bf16>(p.k_cache + k_dst, k_src, cos, sin, p.rotary_dim, p.rotary_interleaved, chunk);
-    copy_chunk_rotated<Is_bf16>(p.v_cache + v_dst, v_src, nullptr, nullptr, 0, false, chunk);
+    copy_chunk_rotated<Is_bf16>(cache.k + k_at, k_src, cos, sin, p.rotary_dim, p.rotary_interleaved, chunk);
+    copy_chunk_rotated<Is_bf16>(cache.v + v_at, v_src, nullptr, nullptr, 0, false, chunk);
 }
 
 // grid (seqlen_q, nheads, batch), kHeadDim / 8 threads: q_rotated = q rotated at its position.
@@ -108,34 +142,72 @@ __global__ void rotary_q_kernel(const __grid_constant__ DecodeParams p) {
                                 chunk);
 }
 
-template <int kHeadDim_, int kBlockN_>
-struct DecodeTraits {
-    static constexpr int kHeadDim = kHeadDim_, kBlockM = 64, kBlockN = kBlockN_, kNWarps = 4;
-    static constexpr int kThreads = kNWarps * 32, kRowsPerWarp = kBlockM / kNWarps, kMTiles = 1;
-    static constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
-    static constexpr int kPitch = SmemTile<kHeadDim>::kPitch, kChunksPerRow = kHeadDim / 8;
-    // Q, then kStages x (K, V) of a key block (padded rows: tile.cuh): the next block's K and V
-    // load while this one's are used (decoding has little work per byte to hide a load under)
-    static constexpr int kStages = 2;
-    static constexpr int kQBytes = kBlockM * kPitch * 2, kKVBytes = kBlockN * kPitch * 2;
-    static constexpr int kSmemBytes = kQBytes + kStages * 2 * kKVBytes;
-    static_assert(kHeadDim % 32 == 0 && kBlockN % 16 == 0, "head dims of 32s, key blocks of 16s");
-};
+// The work of one thread block of either attention kernel: packed rows row0 .. row0 + rows_valid - 1
+// of (sequence `batch`, query heads head0 ..), and of the key blocks those rows see, the share of
+// split `split`. Grid (q blocks x num_splits, kv head groups, batch); a q block's splits are
+// adjacent, so they run together and the last of them merges soon after the first.
+template <int kBlockM, int kBlockN, bool Is_causal, bool Is_local>
+struct DecodeBlock {
+    int m_block, split, head0, pack, kv_head, batch, leftpad, seqlen_q, seqlen_k;
+    int rows_total, row0, rows_valid;
+    int n_block_min, n_block_max;  // this split's key blocks; empty: it saw no key
+    int mask_from, mask_below;     // keys >= mask_from, or (Is_local) < mask_below, are hidden from some row
+    Mask<Is_causal, Is_local, kBlockM, kBlockN> mask;
 
-// Rows of a (kRows x kHeadDim) shared-memory tile from global rows found one by one (row_ptr(r):
-// the row's first element, or null past the valid rows: zero-filled, reading nothing at `any`),
-// 16 bytes per cp.async.
-template <int kRows, int kHeadDim, int kThreads, class RowPtr>
-FC_DEVICE void gather_tile(u32 s_tile, int tid, const u16* any, const RowPtr& row_ptr) {
-    constexpr int kChunks = kHeadDim / 8, kRowsPerPass = kThreads / kChunks;
-    static_assert(kThreads % kChunks == 0, "whole rows per pass");
-    const int chunk = tid % kChunks;
-    for (int r = tid / kChunks; r < kRows; r += kRowsPerPass) {
-        const u16* src = row_ptr(r);
-        cp_async_16(s_tile + (r * SmemTile<kHeadDim>::kPitch + chunk * 8) * 2, src ? src + chunk * 8 : any,
-                    src ? 16 : 0);
+    FC_DEVICE DecodeBlock(const DecodeParams& p, int m_block_, int split_) {
+        m_block = m_block_;
+        split = split_;
+        pack = p.heads_per_block;
+        head0 = blockIdx.y * pack;
+        kv_head = head0 / p.heads_per_kv_head;
+        batch = blockIdx.z;
+        seqlen_q = p.max_seqlen_q;
+        leftpad = p.cache_leftpad ? p.cache_leftpad[batch] : 0;
+        seqlen_k = p.cache_seqlens[batch] + p.seqlen_new - leftpad;  // keys, the new ones included
+        rows_total = seqlen_q * pack;
+        row0 = m_block * kBlockM;
+        rows_valid = max(0, min(kBlockM, rows_total - row0));
+        mask.seqlen_q = seqlen_q;
+        mask.seqlen_k = seqlen_k;
+        mask.offset = p.align_bottom_right ? seqlen_k - seqlen_q : 0;  // the band's diagonal
+        mask.left = p.window_left;
+        mask.right = p.window_right;
+        // the keys query rows [q_first, q_last] see, cut into whole blocks, shared among the splits
+        const int q_first = row0 / pack, q_last = (row0 + max(rows_valid, 1) - 1) / pack;
+        const int key_begin = Is_local ? max(0, mask.row_first_key(q_first)) : 0;
+        const int key_end = mask.row_key_limit(q_last);
+        mask_from = mask.row_key_limit(q_first);
+        mask_below = Is_local ? mask.row_first_key(q_last) : 0;
+        const int n_first = key_begin / kBlockN, n_blocks = max(0, (key_end + kBlockN - 1) / kBlockN - n_first);
+        const int per = n_blocks / p.num_splits, extra = n_blocks % p.num_splits;
+        n_block_min = n_first + split * per + min(split, extra);
+        n_block_max = n_block_min + per + (split < extra);
     }
-}
+    FC_DEVICE int query(int r) const { return (row0 + r) / pack; }  // of block row r
+    FC_DEVICE int head(int r) const { return head0 + (row0 + r) % pack; }
+    // Does a 16-key group from key0 hold a key hidden from some row (or past the last key)?
+    FC_DEVICE bool needs_mask(int key0, int keys) const {
+        return key0 + keys > mask_from || (Is_local && key0 < mask_below);
+    }
+    // The (query, head) slot of block row r in lse-shaped arrays: (batch, nheads, seqlen_q).
+    FC_DEVICE i64 slot(const DecodeParams& p, int r) const {
+        return (i64(batch) * p.nheads + head(r)) * seqlen_q + query(r);
+    }
+    FC_DEVICE u16* out_row(const DecodeParams& p, int r) const {
+        return p.out + batch * p.o_batch_stride + i64(query(r)) * p.o_row_stride + head(r) * p.o_head_stride;
+    }
+    FC_DEVICE float* lse_at(const DecodeParams& p, int r) const {
+        return p.lse + batch * p.lse_batch_stride + head(r) * p.lse_head_stride + query(r);
+    }
+    // Where split `split` keeps block row r's partial LSE (and, times the head dim, its output).
+    FC_DEVICE i64 partial_slot(const DecodeParams& p, int r) const {
+        return i64(split) * p.batch * p.nheads * seqlen_q + slot(p, r);
+    }
+    // This q block's count of stored splits: p.split_counters is (batch, kv head groups, q blocks).
+    FC_DEVICE int* split_counter(const DecodeParams& p) const {
+        return p.split_counters + (i64(batch) * gridDim.y + blockIdx.y) * (gridDim.x / p.num_splits) + m_block;
+    }
+};
 
 // Packed rows: the fragment's row r is query row (row0 + r) / pack; the mask and score mods see that.
 struct PackedCoords {
@@ -144,71 +216,414 @@ struct PackedCoords {
     FC_DEVICE int col(int nt, int e1) const { return col_base + 8 * nt + 2 * t + e1; }
 };
 
+// Q rows of a block into a (kRows x kHeadDim) shared tile, 16 bytes per cp.async; rows past
+// rows_valid are zero-filled (reading nothing).
+template <int kRows, int kHeadDim, int kThreads, class Block>
+FC_DEVICE void load_q(u32 s_tile, const DecodeParams& p, const Block& blk, int tid) {
+    constexpr int kChunks = kHeadDim / 8;
+    for (int i = tid; i < kRows * kChunks; i += kThreads) {
+        const int r = i / kChunks, chunk = i % kChunks;
+        const bool valid = r < blk.rows_valid;
+        const u16* src = valid ? p.q + blk.batch * p.q_batch_stride + i64(blk.query(r)) * p.q_row_stride
+                                         + blk.head(r) * p.q_head_stride + chunk * 8
+                               : p.q;
+        cp_async_16(s_tile + (r * SmemTile<kHeadDim>::kPitch + chunk * 8) * 2, src, valid ? 16 : 0);
+    }
+}
+
+// K and V of keys key0 .. key0 + kRows - 1 into two (kRows x kHeadDim) shared tiles, 16 bytes per
+// cp.async, by kThreads threads (tid: this one's index among them); keys at or past seqlen_k are
+// zero-filled (reading nothing).
+template <int kRows, int kHeadDim, int kThreads>
+FC_DEVICE void load_kv(u32 sK, u32 sV, const CacheRows& cache, int leftpad, int key0, int seqlen_k, int tid) {
+    constexpr int kChunks = kHeadDim / 8, kRowsPerPass = kThreads / kChunks, kPasses = kRows / kRowsPerPass;
+    static_assert(kThreads % kChunks == 0 && kRows % kRowsPerPass == 0, "whole rows per pass");
+    const int chunk = tid % kChunks, r0 = tid / kChunks;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+        const int key = key0 + r0 + i * kRowsPerPass;
+        const u32 s_at = ((r0 + i * kRowsPerPass) * SmemTile<kHeadDim>::kPitch + chunk * 8) * 2;
+        i64 k_at = 0, v_at = 0;
+        const bool valid = key < seqlen_k;
+        if (valid) cache.find(leftpad + key, k_at, v_at);
+        cp_async_16(sK + s_at, cache.k + k_at + chunk * 8, valid ? 16 : 0);
+        cp_async_16(sV + s_at, cache.v + v_at + chunk * 8, valid ? 16 : 0);
+    }
+}
+
+// A warp's 16 K and 16 V rows of keys key0 .. key0 + 15 into two shared tiles by the copy engine
+// (sm90): lane l copies row l % 16 of K (l < 16) or of V, one bulk copy per row, counted on `bar`;
+// rows of keys at or past seqlen_k are zeroed by their lane instead.
+template <int kHeadDim>
+FC_DEVICE void bulk_load_kv(u32 sK, u32 sV, u32 bar, const CacheRows& cache, int leftpad, int key0, int seqlen_k,
+                            int lane) {
+    constexpr u32 kRowBytes = kHeadDim * 2;
+    const int row = lane & 15, key = key0 + row;
+    if (lane == 0) mbar_arrive_expect_tx(bar, 2 * kRowBytes * u32(max(0, min(16, seqlen_k - key0))));
+    __syncwarp();  // the bytes are expected before any copy completes
+    const u32 dst = (lane < 16 ? sK : sV) + row * SmemTile<kHeadDim>::kPitch * 2;
+    if (key < seqlen_k) {
+        i64 k_at, v_at;
+        cache.find(leftpad + key, k_at, v_at);
+        bulk_load(dst, lane < 16 ? cache.k + k_at : cache.v + v_at, kRowBytes, bar);
+    } else {
+#pragma unroll
+        for (u32 c = 0; c < kRowBytes; c += 16)
+            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(dst + c), "r"(0) : "memory");
+        fence_proxy_async_shared();  // before a later copy of the engine's into the same row
+    }
+}
+
+// After every thread of the block stored its split's partials: true in the one block, of all the
+// splits of this q block, that stored last; it may then read every split's partials. One thread
+// counts for the block, after the barrier that orders the block's stores before its count (the
+// count releases them and acquires the other splits'). The counter (kvcache.split_counters: zero
+// before the launch) is back at zero when the kernel ends.
+FC_DEVICE bool last_split_of(int* counter, int num_splits) {
+    __shared__ int s_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const bool last = atomic_add_acq_rel_gpu(counter, 1) == num_splits - 1;
+        if (last) *counter = 0;  // every split has counted: reset for the next launch
+        s_last = last;
+    }
+    __syncthreads();
+    return s_last;
+}
+
+FC_DEVICE float warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+FC_DEVICE float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// The merge of a q block's splits (decode_ref.merge_partials), with the sink in the denominator:
+// lse = log(sum_s exp(lse_s) + exp(sink)), out = sum_s exp(lse_s - lse) out_s. It runs after the
+// other splits' blocks are done, so its latency is the kernel's tail: every load of a chunk of
+// rows goes out at once. The partials come from other blocks, through L2 (cp.async.cg, ld.cg).
+// A thread owns up to kItems (row, 4 columns) items of a chunk and copies those columns of every
+// split into its own part of shared memory while a warp per row (its lanes over the splits) turns
+// the LSEs into weights. s_work: kWorkFloats floats of shared memory free for it; a chunk's rows
+// and splits are cut to fit (kvcache.MAX_SPLITS bounds the splits).
+template <int kHeadDim, int kThreads, int kWorkFloats, int kMaxRows, bool Is_bf16, class Block>
+FC_DEVICE void merge_splits(const DecodeParams& p, const Block& blk, float* s_work, int tid) {
+    constexpr int kQuads = kHeadDim / 4, kWarps = kThreads / 32, kLaneSplits = 4;
+    constexpr int kItems = (kMaxRows * kQuads + kThreads - 1) / kThreads > 16 ? 16
+                           : (kMaxRows * kQuads + kThreads - 1) / kThreads;
+    // rows of a chunk: its items, and room for their weights (up to 128 splits) and one split
+    constexpr int kItemRows = kItems * kThreads / kQuads, kFitRows = (kWorkFloats - 3) / (128 + 1 + kHeadDim);
+    constexpr int kChunkRows = kItemRows < kFitRows ? kItemRows : kFitRows;
+    static_assert(32 * kLaneSplits >= 128, "a warp's lanes hold every split's LSE (MAX_SPLITS)");
+    static_assert(kChunkRows >= 1, "a row's weights and a split of it fit");
+    constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+    const int splits = p.num_splits, warp = tid / 32, lane = tid % 32;
+    const i64 split_stride = i64(p.batch) * p.nheads * p.max_seqlen_q;
+    for (int r0 = 0; r0 < blk.rows_valid; r0 += kChunkRows) {
+        const int rows = min(kChunkRows, blk.rows_valid - r0);
+        float* s_weight = s_work;                        // [row][split]: exp(lse_s - lse)
+        float* s_lse = s_weight + rows * splits;         // [row]
+        const int weight_floats = (rows * (splits + 1) + 3) & ~3;  // the copies' 16-byte alignment
+        float* s_part = s_work + weight_floats;          // [row][split of the group][column]
+        const int group = min(splits, (kWorkFloats - weight_floats) / (rows * kHeadDim));
+        float4 o[kItems];
+#pragma unroll
+        for (int k = 0; k < kItems; ++k) o[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int s0 = 0; s0 < splits; s0 += group) {
+            const int n = min(group, splits - s0);
+#pragma unroll
+            for (int k = 0; k < kItems; ++k) {
+                const int item = tid + k * kThreads, r = item / kQuads, col = 4 * (item % kQuads);
+                if (item < rows * kQuads) {
+                    const float* src = p.out_partial + blk.slot(p, r0 + r) * kHeadDim + col;
+                    for (int j = 0; j < n; ++j)
+                        cp_async_16(smem_u32(s_part + (r * group + j) * kHeadDim + col),
+                                    src + (s0 + j) * split_stride * kHeadDim, 16);
+                }
+            }
+            cp_async_commit();
+            if (s0 == 0) {  // the weights, while the first group's copies are in flight
+                for (int r = warp; r < rows; r += kWarps) {
+                    const i64 slot = blk.slot(p, r0 + r);
+                    float x[kLaneSplits];
+#pragma unroll
+                    for (int j = 0; j < kLaneSplits; ++j) {
+                        const int s = lane + 32 * j;
+                        x[j] = s < splits ? ld_cg_f32(p.lse_partial + s * split_stride + slot) : -FC_INF;
+                    }
+                    const float sink = p.sinks ? p.sinks[blk.head(r0 + r)] : -FC_INF;
+                    float top = sink;
+#pragma unroll
+                    for (int j = 0; j < kLaneSplits; ++j) top = fmaxf(top, x[j]);
+                    top = warp_max(top);
+                    float lse = -FC_INF;
+                    if (top != -FC_INF) {
+                        float total = lane == 0 ? fast_exp2((sink - top) * kLog2e) : 0.f;
+#pragma unroll
+                        for (int j = 0; j < kLaneSplits; ++j) total += fast_exp2((x[j] - top) * kLog2e);
+                        lse = top + fast_log2(warp_sum(total)) * kLn2;
+                    }
+#pragma unroll
+                    for (int j = 0; j < kLaneSplits; ++j) {
+                        const int s = lane + 32 * j;
+                        if (s < splits) s_weight[r * splits + s] = lse == -FC_INF ? 0.f : fast_exp2((x[j] - lse) * kLog2e);
+                    }
+                    if (lane == 0) s_lse[r] = lse;
+                }
+                __syncthreads();  // the weights, for every thread
+            }
+            cp_async_wait<0>();  // this thread's copies: it reads only those
+#pragma unroll
+            for (int k = 0; k < kItems; ++k) {
+                const int item = tid + k * kThreads, r = item / kQuads, col = 4 * (item % kQuads);
+                if (item < rows * kQuads) {
+                    for (int j = 0; j < n; ++j) {
+                        const float w = s_weight[r * splits + s0 + j];
+                        const float4 x = *reinterpret_cast<const float4*>(s_part + (r * group + j) * kHeadDim + col);
+                        o[k].x += w * x.x;
+                        o[k].y += w * x.y;
+                        o[k].z += w * x.z;
+                        o[k].w += w * x.w;
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < kItems; ++k) {
+            const int item = tid + k * kThreads, r = item / kQuads, col = 4 * (item % kQuads);
+            if (item < rows * kQuads) {
+                *reinterpret_cast<uint2*>(blk.out_row(p, r0 + r) + col) =
+                    make_uint2(pack_f32x2<Is_bf16>(o[k].x, o[k].y), pack_f32x2<Is_bf16>(o[k].z, o[k].w));
+                if (col == 0) *blk.lse_at(p, r0 + r) = s_lse[r];
+            }
+        }
+        __syncthreads();  // before the next chunk's weights overwrite these
+    }
+}
+
+template <int kHeadDim_, int kNWarps_, int kStages_>
+struct DecodeTraits {
+    static constexpr int kHeadDim = kHeadDim_, kNWarps = kNWarps_, kStages = kStages_;
+    static constexpr int kThreads = kNWarps * 32;
+    static constexpr int kWarpKeys = 16;  // a warp's keys per step: one k16 step of P V
+    static constexpr int kBlockM = 16, kBlockN = kNWarps * kWarpKeys;
+    static constexpr int kDTiles = kHeadDim / 8, kPitch = SmemTile<kHeadDim>::kPitch;
+    // Q, then a ring of kStages x (K, V) of kBlockN keys (padded rows: tile.cuh)
+    static constexpr int kQBytes = kBlockM * kPitch * 2, kKVBytes = kBlockN * kPitch * 2;
+    static constexpr int kRingBytes = kStages * 2 * kKVBytes;
+    // after the loop the ring holds each warp's O (float32 rows of kOPitch: the fragments' 8-byte
+    // stores free of bank conflicts) and each warp's row max and row sum
+    static constexpr int kOPitch = kHeadDim + 8;
+    static constexpr int kMergeBytes = kNWarps * kBlockM * (kOPitch + 2) * 4;
+    static constexpr int kRegionBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
+    // then the copy engine's barriers (sm90): one per warp and stage
+    static constexpr int kBarBytes = kNWarps * kStages * 8;
+    static constexpr int kSmemBytes = kQBytes + kRegionBytes + kBarBytes;
+    static_assert(kHeadDim % 32 == 0 && kStages >= 2, "head dims of 32s, two stages at least");
+};
+
+template <int kHeadDim, int kNWarps, int kStages, bool Is_causal, bool Is_local, bool Is_bf16, bool Has_score_mod>
+__global__ void __launch_bounds__(kNWarps * 32)
+flash_decode_kernel(const __grid_constant__ DecodeParams p) {
+    using T = DecodeTraits<kHeadDim, kNWarps, kStages>;
+    constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kThreads = T::kThreads;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const u32 sQ = smem_u32(smem_raw);
+    auto sK = [&](int s) { return sQ + T::kQBytes + s * 2 * T::kKVBytes; };
+    auto sV = [&](int s) { return sK(s) + T::kKVBytes; };
+    const DecodeBlock<kBlockM, kBlockN, Is_causal, Is_local> blk(p, blockIdx.x / p.num_splits, blockIdx.x % p.num_splits);
+    if (blk.rows_valid == 0) return;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const CacheRows cache(p, blk.batch, blk.kv_head);
+    const int n_steps = blk.n_block_max - blk.n_block_min;
+    // Each warp streams its own 16 keys of every step through its own rows of the ring, and waits
+    // for its own copies only: the warps never wait for each other inside the loop. On sm90 the
+    // copy engine brings a row per bulk copy, counted on the warp's barrier of the stage; before,
+    // cp.async 16 bytes per lane, counted by groups.
+#if __CUDA_ARCH__ >= 900
+    constexpr bool kBulk = true;
+#else
+    constexpr bool kBulk = false;
+#endif
+    const u32 k_rows = tile_offset<kHeadDim>(16 * warp, 0);
+    const u32 bars = sQ + T::kQBytes + T::kRegionBytes + 8 * kStages * warp;
+    if (kBulk) {
+        if (lane == 0) {
+            for (int s = 0; s < kStages; ++s) mbar_init(bars + 8 * s, 1);
+            mbar_fence_init();
+        }
+        __syncwarp();
+    }
+    auto load_step = [&](int i) {
+        const int s = i % kStages, key0 = (blk.n_block_min + i) * kBlockN + 16 * warp;
+        if (kBulk)
+            bulk_load_kv<kHeadDim>(sK(s) + k_rows, sV(s) + k_rows, bars + 8 * s, cache, blk.leftpad, key0,
+                                   blk.seqlen_k, lane);
+        else
+            load_kv<16, kHeadDim, 32>(sK(s) + k_rows, sV(s) + k_rows, cache, blk.leftpad, key0, blk.seqlen_k, lane);
+    };
+    // Q (every thread a share, cp.async) with the first step, then the ring filled but for one
+    // stage; one cp.async group per stage always
+    if (n_steps > 0) load_q<kBlockM, kHeadDim, kThreads>(sQ, p, blk, tid);
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) {
+        if (i < n_steps) load_step(i);
+        cp_async_commit();
+    }
+
+    const ScoreMod mod(p.softmax_scale, p.softcap, p.alibi_slopes, p.alibi_batch_stride, blk.batch, blk.head0,
+                       blk.mask.offset);
+    const float score_log2 = Has_score_mod ? 1.4426950408889634f : p.scale_log2;
+    float acc_o[1][T::kDTiles][4];
+    clear_acc(acc_o);
+    OnlineSoftmax<1> softmax;
+    const u32 q_lane = sQ + ldsm_lane_offset_a<kHeadDim>(lane);
+    u32 q_frag[kHeadDim / 16][1][4];  // Q's A fragments, kept in registers from the first step on
+    const u32 k_lane = k_rows + ldsm_lane_offset_b<kHeadDim>(lane);
+    const u32 v_lane = ldsm_lane_offset_a<kHeadDim>(lane);
+
+    for (int i = 0; i < n_steps; ++i) {
+        if (kBulk) mbar_wait(bars + 8 * (i % kStages), (i / kStages) & 1);  // step i's rows landed
+        else cp_async_wait<kStages - 2>();  // this lane's copies of step i landed (and of Q with step 0)
+        if (i == 0) {
+            if (kBulk) cp_async_wait<0>();  // Q
+            __syncthreads();  // Q: every thread's copies
+#pragma unroll
+            for (int kd = 0; kd < kHeadDim / 16; ++kd) load_a_frags<false, kHeadDim>(q_frag[kd], q_lane, 0, 16 * kd);
+        } else {
+            __syncwarp();  // the warp's other lanes' copies or zeroed rows; and the warp is done with step i - 1
+        }
+        if (i + kStages - 1 < n_steps) load_step(i + kStages - 1);  // into step i - 1's stage
+        cp_async_commit();
+        const int s = i % kStages, key0 = (blk.n_block_min + i) * kBlockN + 16 * warp;
+        // S = Q K^T over this warp's 16 keys
+        float acc_s[1][2][4];
+        clear_acc(acc_s);
+#pragma unroll
+        for (int kd = 0; kd < kHeadDim / 16; ++kd)
+            warp_mma_k16<Is_bf16, false, kHeadDim>(acc_s, q_frag[kd], sK(s) + k_lane, 0, 16 * kd);
+        const PackedCoords coords{blk.row0, key0, g, t, blk.pack};
+        if (Has_score_mod) apply_score_mod(mod, acc_s, coords);
+        if (blk.needs_mask(key0, 16)) blk.mask.apply(acc_s, coords);
+        softmax.update(acc_s, acc_o, score_log2);
+        // O += P V over the same keys: P (16 x 16) is one A fragment
+        u32 pa[1][4];
+        acc_to_a_frag<Is_bf16>(acc_s[0][0], acc_s[0][1], pa[0]);
+        warp_mma_k16<Is_bf16, true, kHeadDim>(acc_o, pa, sV(s) + v_lane, 16 * warp, 0);
+    }
+
+    // The warps' states through shared memory (the ring is free once no copy is in flight), then
+    // each block row's: M = max_w m_w, L = sum_w l_w 2^(m_w - M), O = sum_w O_w 2^(m_w - M).
+    cp_async_wait<0>();
+    __syncthreads();
+    float* sO = reinterpret_cast<float*>(smem_raw + T::kQBytes);  // [warp][row][kOPitch]
+    float* sStat = sO + kNWarps * kBlockM * T::kOPitch;            // [warp][row]: max, sum
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = g + 8 * h;
+        float* o_row = sO + (warp * kBlockM + r) * T::kOPitch + 2 * t;
+#pragma unroll
+        for (int dt = 0; dt < T::kDTiles; ++dt)
+            *reinterpret_cast<float2*>(o_row + 8 * dt) = make_float2(acc_o[0][dt][2 * h], acc_o[0][dt][2 * h + 1]);
+        const float sum = quad_sum(softmax.row_sum[h]);
+        if (t == 0) {
+            sStat[2 * (warp * kBlockM + r)] = softmax.row_max[h];
+            sStat[2 * (warp * kBlockM + r) + 1] = sum;
+        }
+    }
+    __syncthreads();
+    const bool partial = p.num_splits > 1;
+    constexpr int kQuads = kHeadDim / 4;
+    for (int item = tid; item < blk.rows_valid * kQuads; item += kThreads) {
+        const int r = item / kQuads, col = 4 * (item % kQuads);
+        float top = -FC_INF;
+#pragma unroll
+        for (int w = 0; w < kNWarps; ++w) top = fmaxf(top, sStat[2 * (w * kBlockM + r)]);
+        float sum = 0.f;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (top != -FC_INF) {
+#pragma unroll
+            for (int w = 0; w < kNWarps; ++w) {
+                const float m = sStat[2 * (w * kBlockM + r)];
+                const float scale = m == -FC_INF ? 0.f : fast_exp2((m - top) * score_log2);
+                sum += scale * sStat[2 * (w * kBlockM + r) + 1];
+                const float4 x = *reinterpret_cast<const float4*>(sO + (w * kBlockM + r) * T::kOPitch + col);
+                o.x += scale * x.x;
+                o.y += scale * x.y;
+                o.z += scale * x.z;
+                o.w += scale * x.w;
+            }
+        }
+        // One split: the sink joins the denominator here; several: the merge adds it once.
+        const float sink = !partial && p.sinks ? p.sinks[blk.head(r)] : -FC_INF;
+        float inv, lse;
+        softmax_denominator(top == -FC_INF ? -FC_INF : top * (Has_score_mod ? 1.f : p.softmax_scale), sum, sink,
+                            inv, lse);
+        o = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+        if (partial) {
+            const i64 at = blk.partial_slot(p, r);
+            *reinterpret_cast<float4*>(p.out_partial + at * kHeadDim + col) = o;
+            if (col == 0) p.lse_partial[at] = lse;
+        } else {
+            *reinterpret_cast<uint2*>(blk.out_row(p, r) + col) =
+                make_uint2(pack_f32x2<Is_bf16>(o.x, o.y), pack_f32x2<Is_bf16>(o.z, o.w));
+            if (col == 0) *blk.lse_at(p, r) = lse;
+        }
+    }
+    if (partial && last_split_of(blk.split_counter(p), p.num_splits))
+        merge_splits<kHeadDim, kThreads, T::kRegionBytes / 4, kBlockM, Is_bf16>(p, blk, sO, tid);
+}
+
+template <int kHeadDim_, int kBlockN_>
+struct PrefillTraits {
+    static constexpr int kHeadDim = kHeadDim_, kBlockM = 64, kBlockN = kBlockN_, kNWarps = 4;
+    static constexpr int kThreads = kNWarps * 32, kRowsPerWarp = kBlockM / kNWarps;
+    static constexpr int kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
+    static constexpr int kPitch = SmemTile<kHeadDim>::kPitch;
+    // Q, then kStages x (K, V) of a key block (padded rows: tile.cuh): the next block's K and V
+    // load while this one's are used
+    static constexpr int kStages = 2;
+    static constexpr int kQBytes = kBlockM * kPitch * 2, kKVBytes = kBlockN * kPitch * 2;
+    static constexpr int kSmemBytes = kQBytes + kStages * 2 * kKVBytes;
+    static_assert(kHeadDim % 32 == 0 && kBlockN % 16 == 0, "head dims of 32s, key blocks of 16s");
+};
+
 template <int kHeadDim, int kBlockN, bool Is_causal, bool Is_local, bool Is_bf16, bool Has_score_mod>
 __global__ void __launch_bounds__(128)
-flash_decode_kernel(const __grid_constant__ DecodeParams p) {
-    using T = DecodeTraits<kHeadDim, kBlockN>;
+flash_prefill_kernel(const __grid_constant__ DecodeParams p) {
+    using T = PrefillTraits<kHeadDim, kBlockN>;
     constexpr int kBlockM = T::kBlockM;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const u32 sQ_base = smem_u32(smem_raw);
     auto sK_stage = [&](int s) { return sQ_base + T::kQBytes + s * 2 * T::kKVBytes; };
     auto sV_stage = [&](int s) { return sK_stage(s) + T::kKVBytes; };
-    const int m_block = blockIdx.x / p.num_splits, split = blockIdx.x % p.num_splits;
-    const int head0 = blockIdx.y * p.heads_per_block, batch = blockIdx.z, pack = p.heads_per_block;
-    const int kv_head = head0 / p.heads_per_kv_head;
-    const int seqlen_q = p.max_seqlen_q;
-    const int leftpad = p.cache_leftpad ? p.cache_leftpad[batch] : 0;
-    const int seqlen_k = p.cache_seqlens[batch] + p.seqlen_new - leftpad;  // keys, the new ones included
-    const int rows_total = seqlen_q * pack, row0 = m_block * kBlockM;
-    if (row0 >= rows_total) return;
-    const int rows_valid = min(kBlockM, rows_total - row0);
+    const DecodeBlock<kBlockM, kBlockN, Is_causal, Is_local> blk(p, blockIdx.x / p.num_splits, blockIdx.x % p.num_splits);
+    if (blk.rows_valid == 0) return;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int entry = cache_entry(p, batch);
-
-    // The keys this block's query rows [q_first, q_last] see, cut into the splits' shares of blocks
-    const int band_offset = p.align_bottom_right ? seqlen_k - seqlen_q : 0;
-    const Mask<Is_causal, Is_local, kBlockM, kBlockN> mask{seqlen_q, seqlen_k, band_offset, p.window_left, p.window_right};
-    const int q_first = row0 / pack, q_last = (row0 + rows_valid - 1) / pack;
-    const int key_begin = Is_local ? max(0, mask.row_first_key(q_first)) : 0;
-    const int key_end = mask.row_key_limit(q_last);
-    const int n_first = key_begin / kBlockN, n_blocks = max(0, (key_end + kBlockN - 1) / kBlockN - n_first);
-    const int per = n_blocks / p.num_splits, extra = n_blocks % p.num_splits;
-    const int n_block_min = n_first + split * per + min(split, extra);
-    const int n_block_max = n_block_min + per + (split < extra);  // empty: this split saw no key
-
-    const ScoreMod mod(p.softmax_scale, p.softcap, p.alibi_slopes, p.alibi_batch_stride, batch, head0, band_offset);
+    const int n_block_min = blk.n_block_min, n_block_max = blk.n_block_max;
+    const CacheRows cache(p, blk.batch, blk.kv_head);
+    const ScoreMod mod(p.softmax_scale, p.softcap, p.alibi_slopes, p.alibi_batch_stride, blk.batch, blk.head0,
+                       blk.mask.offset);
     const float score_log2 = Has_score_mod ? 1.4426950408889634f : p.scale_log2;
     const int warp_row0 = warp * T::kRowsPerWarp;
 
     float acc_o[1][T::kDTiles][4];
     clear_acc(acc_o);
     OnlineSoftmax<1> softmax;
-    auto q_row = [&](int r) -> const u16* {
-        if (r >= rows_valid) return nullptr;
-        const int q = (row0 + r) / pack, head = head0 + (row0 + r) % pack;
-        return p.q + batch * p.q_batch_stride + i64(q) * p.q_row_stride + head * p.q_head_stride;
-    };
-    // rows key0.. of the K or V cache (cache_row_offset), null past the keys
-    auto cache_rows = [&](const u16* cache, i64 row_stride, i64 batch_stride, i64 head_stride, int key0) {
-        return [&, cache, row_stride, batch_stride, head_stride, key0](int r) -> const u16* {
-            const int key = key0 + r;
-            return key < seqlen_k ? cache + cache_row_offset(p, batch, entry, kv_head, leftpad + key, row_stride,
-                                                             batch_stride, head_stride)
-                                  : nullptr;
-        };
-    };
     // K and V of key block n into stage s, one cp.async group
-    auto load_kv = [&](int n, int s) {
-        gather_tile<kBlockN, kHeadDim, T::kThreads>(
-            sK_stage(s), tid, p.k, cache_rows(p.k, p.k_row_stride, p.k_batch_stride, p.k_head_stride, n * kBlockN));
-        gather_tile<kBlockN, kHeadDim, T::kThreads>(
-            sV_stage(s), tid, p.v, cache_rows(p.v, p.v_row_stride, p.v_batch_stride, p.v_head_stride, n * kBlockN));
+    auto load_block = [&](int n, int s) {
+        load_kv<kBlockN, kHeadDim, T::kThreads>(sK_stage(s), sV_stage(s), cache, blk.leftpad, n * kBlockN,
+                                                blk.seqlen_k, tid);
         cp_async_commit();
     };
     if (n_block_max > n_block_min) {  // Q and the last block; the one before it too
-        gather_tile<kBlockM, kHeadDim, T::kThreads>(sQ_base, tid, p.q, q_row);
-        load_kv(n_block_max - 1, 0);
-        if (n_block_max - 2 >= n_block_min) load_kv(n_block_max - 2, 1);
+        load_q<kBlockM, kHeadDim, T::kThreads>(sQ_base, p, blk, tid);
+        load_block(n_block_max - 1, 0);
+        if (n_block_max - 2 >= n_block_min) load_block(n_block_max - 2, 1);
     }
     const u32 sQ_frag = sQ_base + tile_offset<kHeadDim>(warp_row0, 0) + ldsm_lane_offset_a<kHeadDim>(lane);
     const u32 k_lane = ldsm_lane_offset_b<kHeadDim>(lane), v_lane = ldsm_lane_offset_a<kHeadDim>(lane);
@@ -227,9 +642,9 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             load_a_frags<false, kHeadDim>(a, sQ_frag, 0, 16 * kd);
             warp_mma_k16<Is_bf16, false, kHeadDim>(acc_s, a, sK_stage(s) + k_lane, 0, 16 * kd);
         }
-        const PackedCoords coords{row0 + warp_row0, key0, g, t, pack};
+        const PackedCoords coords{blk.row0 + warp_row0, key0, g, t, blk.pack};
         if (Has_score_mod) apply_score_mod(mod, acc_s, coords);
-        if (Is_causal || Is_local || key0 + kBlockN > seqlen_k) mask.apply(acc_s, coords);
+        if (blk.needs_mask(key0, kBlockN)) blk.mask.apply(acc_s, coords);
         softmax.update(acc_s, acc_o, score_log2);
 #pragma unroll
         for (int ks = 0; ks < kBlockN / 16; ++ks) {
@@ -238,68 +653,35 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             warp_mma_k16<Is_bf16, true, kHeadDim>(acc_o, pa, sV_stage(s) + v_lane, 16 * ks, 0);
         }
         __syncthreads();  // every warp is done with stage s: the block after next may fill it
-        if (n_block - 2 >= n_block_min) load_kv(n_block - 2, s);
+        if (n_block - 2 >= n_block_min) load_block(n_block - 2, s);
     }
 
     // One split: O and the LSE, the sink in the denominator (one head per block with sinks). Several:
-    // each split's own normalization and no sink; the combine adds it once.
+    // each split's own normalization and no sink; the last split's block merges them.
     const bool partial = p.num_splits > 1;
     float row_lse[2];
-    softmax.finalize(acc_o, Has_score_mod ? 1.f : p.softmax_scale, !partial && p.sinks ? p.sinks[head0] : -FC_INF,
+    softmax.finalize(acc_o, Has_score_mod ? 1.f : p.softmax_scale, !partial && p.sinks ? p.sinks[blk.head0] : -FC_INF,
                      row_lse);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = warp_row0 + g + 8 * h;
-        if (r >= rows_valid) continue;
-        const int q = (row0 + r) / pack, head = head0 + (row0 + r) % pack;
+        if (r >= blk.rows_valid) continue;
         if (partial) {
-            const i64 at = ((i64(split) * p.batch + batch) * p.nheads + head) * seqlen_q + q;
+            const i64 at = blk.partial_slot(p, r);
             float* o = p.out_partial + at * kHeadDim;
 #pragma unroll
             for (int dt = 0; dt < T::kDTiles; ++dt)
                 *reinterpret_cast<float2*>(o + 8 * dt + 2 * t) = make_float2(acc_o[0][dt][2 * h], acc_o[0][dt][2 * h + 1]);
             if (t == 0) p.lse_partial[at] = row_lse[h];
         } else {
-            u16* o = p.out + batch * p.o_batch_stride + i64(q) * p.o_row_stride + head * p.o_head_stride;
+            u16* o = blk.out_row(p, r);
 #pragma unroll
             for (int dt = 0; dt < T::kDTiles; ++dt)
                 *reinterpret_cast<u32*>(o + 8 * dt + 2 * t) = pack_f32x2<Is_bf16>(acc_o[0][dt][2 * h], acc_o[0][dt][2 * h + 1]);
-            if (t == 0) p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + q] = row_lse[h];
+            if (t == 0) *blk.lse_at(p, r) = row_lse[h];
         }
     }
-}
-
-// grid (ceil(seqlen_q / 4), nheads, batch), 4 warps: warp w merges query row 4 blockIdx.x + w.
-template <int kHeadDim, bool Is_bf16>
-__global__ void __launch_bounds__(128)
-flash_decode_combine_kernel(const __grid_constant__ DecodeParams p) {
-    constexpr int kPerLane = kHeadDim / 32;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int q = blockIdx.x * 4 + warp, head = blockIdx.y, batch = blockIdx.z;
-    if (q >= p.max_seqlen_q) return;
-    const i64 split_stride = i64(p.batch) * p.nheads * p.max_seqlen_q;
-    const i64 at = (i64(batch) * p.nheads + head) * p.max_seqlen_q + q;
-    const float sink = p.sinks ? p.sinks[head] : -FC_INF;
-    float top = sink;
-    for (int s = 0; s < p.num_splits; ++s) top = fmaxf(top, p.lse_partial[s * split_stride + at]);
-    float o[kPerLane] = {};
-    float lse = -FC_INF;
-    if (top != -FC_INF) {
-        float total = fast_exp2((sink - top) * 1.4426950408889634f);
-        for (int s = 0; s < p.num_splits; ++s) total += fast_exp2((p.lse_partial[s * split_stride + at] - top) * 1.4426950408889634f);
-        lse = top + fast_log2(total) * 0.6931471805599453f;
-        for (int s = 0; s < p.num_splits; ++s) {
-            const float w = fast_exp2((p.lse_partial[s * split_stride + at] - lse) * 1.4426950408889634f);
-            const float* src = p.out_partial + (s * split_stride + at) * kHeadDim;
-#pragma unroll
-            for (int e = 0; e < kPerLane; ++e) o[e] += w * src[lane + 32 * e];
-        }
-    }
-    u16* dst = p.out + batch * p.o_batch_stride + i64(q) * p.o_row_stride + head * p.o_head_stride;
-#pragma unroll
-    for (int e = 0; e < kPerLane; ++e) {
-        float lo = o[e], unused = 0.f;
-        dst[lane + 32 * e] = u16(pack_f32x2<Is_bf16>(lo, unused) & 0xffffu);
-    }
-    if (lane == 0) p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + q] = lse;
+    if (partial && last_split_of(blk.split_counter(p), p.num_splits))  // every thread is past its shared reads
+        merge_splits<kHeadDim, T::kThreads, T::kSmemBytes / 4, kBlockM, Is_bf16>(p, blk, reinterpret_cast<float*>(smem_raw),
+                                                                          tid);
 }

@@ -95,6 +95,7 @@ struct DecodeParams : FwdParams {  // q, k, v: the queries (rotated, with rotary
     const int* block_table;      // (batch, max_blocks) block indices of a paged cache; null: contiguous
     float* out_partial;          // (splits, batch, nheads, seqlen_q, headdim) float32 when num_splits > 1
     float* lse_partial;          // (splits, batch, nheads, seqlen_q)
+    int* split_counters;         // (batch, kv head groups, q blocks) splits stored so far; zero between launches
     i64 knew_batch_stride;
     i64 knew_row_stride;
     i64 knew_head_stride;
@@ -105,7 +106,9 @@ struct DecodeParams : FwdParams {  // q, k, v: the queries (rotated, with rotary
     i64 qsrc_row_stride;
     i64 qsrc_head_stride;
     i64 block_table_batch_stride;
+    i64 page_div_mul;            // row / page_size = (row * page_div_mul) >> page_div_shift (kvcache.page_divider)
     int page_size;               // paged: rows per block (k's batch stride is then the block stride)
+    int page_div_shift;
     int seqlen_new;
     int num_splits;
     int heads_per_block;         // query heads packed into a block's rows: heads_per_kv_head, or 1

@@ -118,6 +118,19 @@ FC_DEVICE int ld_acquire(const int* addr) {
 FC_DEVICE void st_release(int* addr, int v) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(addr), "r"(v) : "memory");
 }
+// Loads through L2 only (not this SM's L1): data another block stored during this kernel.
+FC_DEVICE float ld_cg_f32(const float* addr) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(addr));
+    return v;
+}
+// Adds to a GPU-wide counter, ordered after this thread's earlier memory operations (and those a
+// barrier ordered before them) and before its later ones: a release and an acquire in one.
+FC_DEVICE int atomic_add_acq_rel_gpu(int* addr, int value) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(addr), "r"(value) : "memory");
+    return old;
+}
 FC_DEVICE void cp_async_4(u32 dst, const void* src, int src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }

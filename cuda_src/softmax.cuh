@@ -16,6 +16,24 @@ FC_DEVICE float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// The end of one row's softmax: m its largest score in natural units (-inf: it saw no key), sum its
+// sum of exp(s - m), sink a logit that joins the denominator (-inf: none), so that
+// lse = log(sum_j exp(s_j) + exp(sink)), evaluated against the larger of m and the sink so that
+// neither overflows; inv turns the row's output accumulated against m into the softmax's. A row
+// with no key and no sink gets inv = 0 and LSE -inf; with a sink, inv = 0 and LSE = sink.
+FC_DEVICE void softmax_denominator(float m, float sum, float sink, float& inv, float& lse) {
+    constexpr float kLn2 = 0.6931471805599453f, kLog2e = 1.4426950408889634f;
+    const float top = fmaxf(m, sink);
+    inv = 0.f;
+    lse = -FC_INF;
+    if (top != -FC_INF) {
+        const float rows_part = fast_exp2((m - top) * kLog2e);  // 1 without a sink
+        const float denom = sum * rows_part + fast_exp2((sink - top) * kLog2e);
+        inv = rows_part / denom;
+        lse = top + fast_log2(denom) * kLn2;
+    }
+}
+
 template <int kMTiles>
 struct OnlineSoftmax {
     static constexpr int kRows = 2 * kMTiles;
@@ -82,14 +100,10 @@ struct OnlineSoftmax {
     }
 
     // Reduce the row sums across the quad, scale o by 1 / denominator and return each row's
-    // natural-log LSE in lse[r]. score_unit turns the running max into natural units (softmax_scale
-    // for raw scores, 1 for scores already scaled). `sink` (natural units; -inf: none) joins every
-    // row's denominator: lse = log(sum_j exp(s_j) + exp(sink)), evaluated against the larger of the
-    // row max and the sink so that neither overflows. A row with no attended key and no sink gets
-    // o = 0 and LSE = -inf; with a sink, o = 0 and LSE = sink.
+    // natural-log LSE in lse[r] (softmax_denominator). score_unit turns the running max into natural
+    // units (softmax_scale for raw scores, 1 for scores already scaled).
     template <int kDTiles>
     FC_DEVICE void finalize(float (&o)[kMTiles][kDTiles][4], float score_unit, float sink, float (&lse)[kRows]) {
-        constexpr float kLn2 = 0.6931471805599453f, kLog2e = 1.4426950408889634f;
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -97,15 +111,8 @@ struct OnlineSoftmax {
                 const int r = 2 * mt + h;
                 const float sum = quad_sum(row_sum[r]);
                 const float m = row_max[r] == -FC_INF ? -FC_INF : row_max[r] * score_unit;
-                const float top = fmaxf(m, sink);
-                float inv = 0.f;
-                lse[r] = -FC_INF;
-                if (top != -FC_INF) {
-                    const float rows_part = fast_exp2((m - top) * kLog2e);  // 1 without a sink
-                    const float denom = sum * rows_part + fast_exp2((sink - top) * kLog2e);
-                    inv = rows_part / denom;
-                    lse[r] = top + fast_log2(denom) * kLn2;
-                }
+                float inv;
+                softmax_denominator(m, sum, sink, inv, lse[r]);
 #pragma unroll
                 for (int dt = 0; dt < kDTiles; ++dt) {
                     o[mt][dt][2 * h] *= inv;

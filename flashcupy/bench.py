@@ -291,7 +291,11 @@ def _measure(impl, shape, inputs, runtime, repeats, warmup):
 
 
 def _failed_record(shape, impl, exc, prefix="", suffix="") -> dict:
-    record = new_record(shape, impl)
+    return mark_failed(new_record(shape, impl), exc, prefix, suffix)
+
+
+def mark_failed(record: dict, exc: BaseException, prefix="", suffix="") -> dict:
+    """`record` as OOM, or as err with the exception in its note."""
     if _is_oom(exc):
         record.update(status="OOM")
     else:

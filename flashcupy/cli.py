@@ -16,7 +16,7 @@ import click
 import numpy as np
 
 import flashcupy
-from flashcupy import bench, build, configs, device, registry
+from flashcupy import bench, bench_decode, build, configs, device, kvcache, registry
 from flashcupy.problem import AttentionOptions, Problem
 
 NO_GPU_EXIT = 3  # 1 is a failure, 2 click's usage error
@@ -91,6 +91,25 @@ def _parse_peers(ctx, param, values):
     return peers
 
 
+def _parse_positive_ints(ctx, param, values):
+    numbers = []
+    for item in _nonempty(_items(values), param):
+        if not item.isdigit() or int(item) < 1:
+            raise click.BadParameter(f"{item!r} is not a positive integer", param=param)
+        numbers.append(int(item))
+    return tuple(dict.fromkeys(numbers))
+
+
+def _parse_heads(ctx, param, values):
+    heads = []
+    for item in _nonempty(_items(values), param):
+        try:
+            heads.append(bench_decode.parse_heads(item))
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param=param) from None
+    return tuple(dict.fromkeys(heads))
+
+
 _OFF_ON = {"off": (False,), "on": (True,), "both": (False, True)}  # --causal, --deterministic
 
 
@@ -145,6 +164,19 @@ def fwd_variants(capability, smem_optin=None, **choice) -> list:
 def bwd_variants(capability, smem_optin=None, **choice) -> list:
     """Backward kernels the dispatcher can pick (each family's main kernels, then its helpers)."""
     return [v for _, v in family_variants("bwd", capability, smem_optin, **choice)]
+
+
+def kvcache_variants(capability, smem_optin=None, head_dims=kvcache.HEAD_DIMS, dtypes=("float16", "bfloat16"),
+                     masks=configs.MASKS, score_mods=(False, True), **_) -> list:
+    """flash_attn_with_kvcache's kernels that run on this capability (Hopper's tiles on sm90 alone)
+    within the opt-in shared memory (None: no limit); `choice` as fwd_variants (deterministic
+    does not apply)."""
+    if capability < 80:
+        return []
+    variants = kvcache.variants(head_dims=[d for d in head_dims if d in kvcache.HEAD_DIMS], dtypes=dtypes,
+                                masks=masks, score_mods=score_mods)
+    return [v for v in variants if (capability == 90 or not kvcache.hopper_only(v))
+            and (smem_optin is None or v.smem_bytes <= smem_optin)]
 
 
 # The option sets `flashcupy info` shows the dispatch of, by head dim.
@@ -224,10 +256,41 @@ def main():
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw TFLOP/s vs seqlen to this image (e.g. bench.png); needs matplotlib.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no table (use with --json).")
+@click.option("--decode", is_flag=True,
+              help="The decode sweep instead: one query token per sequence over a full KV cache "
+                   "(flash_attn_with_kvcache, contiguous and paged) against SDPA flash and cuDNN, GPU time warm "
+                   "and with L2 flushed, K/V bytes over time against the HBM peak. Takes --head-dims (default "
+                   "128), --dtype, --peers, --repeats, --json and the options marked --decode.")
+@click.option("--batches", multiple=True, default=("1,8,32,128",), show_default=True, callback=_parse_positive_ints,
+              help="--decode: batch sizes, comma list.")
+@click.option("--kv-lens", multiple=True, default=("1k,8k,32k,128k",), show_default=True, callback=_parse_seqlens,
+              help="--decode: keys per sequence (the cache is full), comma list.")
+@click.option("--heads", multiple=True, default=("32/8,32/32",), show_default=True, callback=_parse_heads,
+              help="--decode: query heads / kv heads, comma list.")
+@click.option("--layouts", multiple=True, default=(",".join(bench_decode.LAYOUTS),), show_default=True,
+              callback=_choices(bench_decode.LAYOUTS), help="--decode: flashcupy's cache layouts, comma list.")
+@click.option("--page-size", type=click.IntRange(min=1), default=bench_decode.DEFAULT_PAGE_SIZE, show_default=True,
+              help="--decode: rows per page of the paged layout.")
+@click.option("--hbm-peak", type=click.FloatRange(min=0, min_open=True),
+              help="--decode: the HBM peak in TB/s [default: memory clock x bus width x 2 from the device].")
 @click.pass_context
 def bench_command(ctx, seqlens, head_dims, causal, variants, dtypes, modes, total_tokens, hidden, peers, repeats,
-                  warmup, json_path, plot_path, quiet):
-    """Time flashcupy against its peers over the FA2 paper's sweep."""
+                  warmup, json_path, plot_path, quiet, decode, batches, kv_lens, heads, layouts, page_size, hbm_peak):
+    """Time flashcupy against its peers over the FA2 paper's sweep (or, with --decode, a decode sweep)."""
+    given = {name for name in ctx.params
+             if ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT, None)}
+    forward_only = {"seqlens", "causal", "variants", "modes", "total_tokens", "hidden", "warmup", "plot_path"}
+    decode_only = {"batches", "kv_lens", "heads", "layouts", "page_size", "hbm_peak"}
+    wrong = sorted(given & (forward_only if decode else decode_only))
+    if wrong:
+        flags = ", ".join("--" + {"modes": "mode", "plot_path": "plot"}.get(n, n).replace("_", "-") for n in wrong)
+        raise click.UsageError(f"{flags} {'do' if len(wrong) > 1 else 'does'} not apply "
+                               f"{'to --decode' if decode else 'without --decode'}", ctx=ctx)
+    if decode:
+        _bench_decode(ctx, head_dims if "head_dims" in given else (bench_decode.DEFAULT_HEAD_DIM,), dtypes,
+                      peers if "peers" in given else bench_decode.PEERS, repeats, json_path, quiet, batches,
+                      kv_lens, heads, layouts, page_size, hbm_peak)
+        return
     for d in head_dims:
         if hidden % d:
             raise click.BadParameter(f"{hidden} is not a multiple of head dim {d}; e.g. --hidden 2048",
@@ -281,6 +344,54 @@ def bench_command(ctx, seqlens, head_dims, causal, variants, dtypes, modes, tota
             click.echo(f"wrote {plot_path}", err=True)
 
 
+def _bench_decode(ctx, head_dims, dtypes, peers, repeats, json_path, quiet, batches, kv_lens, heads, layouts,
+                  page_size, hbm_peak):
+    """`flashcupy bench --decode`."""
+    for d in head_dims:
+        if d not in kvcache.HEAD_DIMS:
+            raise click.BadParameter(f"the decode kernels take head dims {', '.join(map(str, kvcache.HEAD_DIMS))}; "
+                                     f"got {d}", ctx=ctx, param_hint="'--head-dims'")
+    for p in peers:
+        if p not in bench_decode.PEERS:
+            raise click.BadParameter(f"{p!r} is not a decode peer; choose from {', '.join(bench_decode.PEERS)}",
+                                     ctx=ctx, param_hint="'--peers'")
+    info = _require_gpu(ctx)
+    if peers:
+        reason = bench.torch_unavailable_reason()
+        if reason:
+            click.echo(f"flashcupy: torch peers skipped ({', '.join(peers)}): {reason}", err=True)
+            peers = ()
+    impls = ("flashcupy",) + tuple(peers)
+    cases = bench_decode.sweep_cases(batches, kv_lens, heads, dtypes, head_dims)
+    metadata = bench.collect_metadata()
+    clock = bench_decode.Clock()
+    limits = clock.bandwidth_tbs()
+    peak = hbm_peak or bench_decode.hbm_peak_tbs(info.id)
+    limits.update(hbm_peak_tbs=peak, hbm_peak_source="--hbm-peak" if hbm_peak else
+                  "memory clock x bus width x 2 from the device" if peak else None)
+    if not quiet:
+        click.echo(f"{metadata['device']} (sm {metadata['compute_capability']}), CUDA driver "
+                   f"{metadata['cuda_driver_version']}, CuPy {metadata['cupy_version']}, NVRTC "
+                   f"{metadata['nvrtc_version']}, commit {metadata['git_commit'] or '-'}")
+        with click.progressbar(cases, label="bench --decode", file=sys.stderr,
+                               item_show_func=lambda c: str(c) if c else None) as bar:
+            records = bench_decode.run_sweep(bar, impls, layouts, page_size, repeats, peak, clock)
+        click.echo(bench_decode.format_table(records, limits))
+    else:
+        records = bench_decode.run_sweep(cases, impls, layouts, page_size, repeats, peak, clock)
+    metadata["torch_version"] = getattr(sys.modules.get("torch"), "__version__", None)
+    _record_process_kernels(info)
+    config = {"sweep": "decode", "batches": list(batches), "kv_lens": list(kv_lens),
+              "heads": [list(h) for h in heads], "head_dims": list(head_dims), "dtypes": list(dtypes),
+              "layouts": list(layouts), "page_size": page_size, "impls": list(impls), "repeats": repeats,
+              "spin_us": bench_decode.SPIN_US, "flush_bytes": bench_decode.FLUSH_BYTES, **limits}
+    if json_path:
+        bench.write_json({"schema": bench.SCHEMA, "metadata": metadata, "config": config,
+                          "fields": bench_decode.FIELDS, "results": records}, json_path)
+        if not quiet:
+            click.echo(f"wrote {json_path}", err=True)
+
+
 @main.command("info")
 @click.option("--verbose", "-v", is_flag=True, help="List the backward kernels too, not only the forward ones.")
 @click.pass_context
@@ -321,12 +432,13 @@ def info_command(ctx, verbose):
     except ValueError as exc:  # e.g. a GPU older than sm_80
         click.echo(f"kernels: none: {exc}")
         forward = backward = []
+    kv = kvcache_variants(info.capability, info.smem_per_block_optin)
     cached = _cached_names(info)
-    counts = [sum(v.name_expression in cached for v in vs) for vs in (forward, backward)]
-    missing = len(forward) + len(backward) - sum(counts)
-    click.echo(f"{'compiled on disk:':<22}{sum(counts)} of {len(forward) + len(backward)} flashcupy kernels "
-               f"this GPU can use (fwd {counts[0]} of {len(forward)}, bwd {counts[1]} of {len(backward)})"
-               + ("; `flashcupy compile` builds the rest" if missing else ""))
+    counts = [sum(v.name_expression in cached for v in vs) for vs in (forward, backward, kv)]
+    total = len(forward) + len(backward) + len(kv)
+    click.echo(f"{'compiled on disk:':<22}{sum(counts)} of {total} flashcupy kernels this GPU can use (fwd "
+               f"{counts[0]} of {len(forward)}, bwd {counts[1]} of {len(backward)}, kvcache {counts[2]} of {len(kv)})"
+               + ("; `flashcupy compile` builds the rest" if sum(counts) < total else ""))
 
     def listing(title, variants):
         if variants:
@@ -351,8 +463,8 @@ def _default_jobs() -> int:
               show_default=True, callback=_parse_head_dims, help="Head dims, comma list.")
 @click.option("--dtype", "dtypes", multiple=True, default=(",".join(bench.DTYPES),), show_default=True,
               callback=_choices(tuple(bench.DTYPES)), help="bf16 and/or fp16; repeat or comma list.")
-@click.option("--direction", type=click.Choice(["fwd", "bwd", "all"]), default="all", show_default=True,
-              help="Forward kernels, backward kernels, or both.")
+@click.option("--direction", type=click.Choice(["fwd", "bwd", "kvcache", "all"]), default="all", show_default=True,
+              help="Forward kernels, backward kernels, flash_attn_with_kvcache's kernels, or all three.")
 @click.option("--causal", type=click.Choice(sorted(_OFF_ON)), default="both", show_default=True,
               help="Causal variants off, on, or both.")
 @click.option("--deterministic", type=click.Choice(sorted(_OFF_ON)), default="both", show_default=True,
@@ -376,11 +488,12 @@ def compile_command(ctx, head_dims, dtypes, direction, causal, deterministic, sc
     names = tuple(bench.DTYPES[d] for d in dtypes)
     choice = {"head_dims": head_dims, "dtypes": names, "masks": _MASKS_FOR_CAUSAL[causal],
               "score_mods": _OFF_ON[score_mod], "deterministic": _OFF_ON[deterministic]}
-    directions = ("fwd", "bwd") if direction == "all" else (direction,)
+    directions = ("fwd", "bwd", "kvcache") if direction == "all" else (direction,)
     if arch is not None:
         capability = configs.arch_capability(arch)
-        variants = [v for d in directions for family, v in family_variants(d, capability, **choice)
+        variants = [v for d in directions if d != "kvcache" for family, v in family_variants(d, capability, **choice)
                     if arch in family.archs]
+        variants += kvcache_variants(capability, **choice) if "kvcache" in directions else []
         if not variants:
             raise click.ClickException(f"no kernel family builds for {arch}")
         _compile_and_report(ctx, variants, jobs, f"{arch} (offline, nothing cached)", arch=arch)
@@ -391,8 +504,8 @@ def compile_command(ctx, head_dims, dtypes, direction, causal, deterministic, sc
                                    "to compile ahead of time")
     # The variants are chosen here, from this device's opt-in shared memory, and handed to the
     # workers as they are: every worker builds exactly what flash_attn_func will ask for.
-    variants = [v for d in directions for v in (fwd_variants if d == "fwd" else bwd_variants)(
-        info.capability, info.smem_per_block_optin, **choice)]
+    pick = {"fwd": fwd_variants, "bwd": bwd_variants, "kvcache": kvcache_variants}
+    variants = [v for d in directions for v in pick[d](info.capability, info.smem_per_block_optin, **choice)]
     if not variants:
         raise click.ClickException(f"no kernel family runs on {info.name} (sm {_capability(info)}); flashcupy "
                                    "needs 8.0 or newer (Ampere, Ada, Hopper)")

@@ -1,5 +1,6 @@
 """Attention over a KV cache: flash_attn_with_kvcache, its validation, the split-KV plan and the
-launches of cuda_src/decode.cu (the append with rotary, the split-KV decode kernel, the combine).
+launches of cuda_src/decode.cu (the append with rotary, the split-KV attention kernels, which merge
+their splits themselves).
 The spec is decode_ref.py.
 """
 
@@ -14,26 +15,61 @@ from . import build, params, sm80
 from .configs import cpp_bool, mask_flags
 from .problem import AttentionOptions, Problem
 
-HEAD_DIMS = (32, 64, 128, 256)  # a 128-thread block copies whole rows of 16-byte chunks
-BLOCK_M = 64    # packed query rows per block (DecodeTraits::kBlockM)
-# Keys per step by head dim: 32 at 256 keeps the two stages within an Ampere/Ada block's 99 KiB
-BLOCK_N = {32: 64, 64: 64, 128: 64, 256: 32}
-STAGES = 2      # K, V stages (DecodeTraits::kStages)
-MAX_SPLITS = 128
-MIN_KEYS_PER_SPLIT = 128  # less and the partials' traffic outweighs the parallelism
+HEAD_DIMS = (32, 64, 128, 256)  # a block's threads copy whole rows of 16-byte chunks
 NVRTC_OPTIONS = sm80.NVRTC_OPTIONS
+MAX_SPLITS = 128  # the merge keeps a weight per split of a row in shared memory, a lane's 4 per warp
+MIN_KEYS_PER_SPLIT = 128  # less and the partials' traffic outweighs the parallelism
+
+# flash_decode_kernel: 16 packed query rows per block, its warps splitting the keys 16 each; by head
+# dim, (warps, ring stages), each block within 99 KiB of shared memory (every sm80+ GPU).
+DECODE_BLOCK_M = 16
+DECODE_TILES = {32: (4, 8), 64: (4, 5), 128: (4, 2), 256: (2, 2)}
+# Hopper's own, in its 227 KiB: at 128, 8 warps and 3 stages (213 KiB, a block per SM) took 2-20%
+# less time than (4, 2) on an H200 at every decode point from 1 x 1k to 32 x 64k keys but one
+# (128 sequences x 1k, 5% more).
+DECODE_TILES_SM90 = {128: (8, 3)}
+# Up to this many packed rows (query rows x heads per block) per sequence and head group go to
+# flash_decode_kernel, more to flash_prefill_kernel, whose warps split the rows instead.
+DECODE_MAX_ROWS = 32
+# flash_prefill_kernel: 64 packed rows per block, 4 warps, two stages of BLOCK_N keys; 32 keys at
+# 256 keep the stages within an Ampere/Ada block's 99 KiB.
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = {32: 64, 64: 64, 128: 64, 256: 32}
 
 
-def num_splits_for(batch: int, head_groups: int, m_blocks: int, key_capacity: int, num_sms: int) -> int:
-    """The split-KV rule for num_splits=0: none when the blocks without splits (batch x head
-    groups x packed q blocks) fill every SM; otherwise enough splits for two blocks per SM, each
-    split at least MIN_KEYS_PER_SPLIT keys of the cache's capacity (the index arrays' values are on
-    the GPU: the plan may not read them), at most MAX_SPLITS."""
+def num_splits_for(batch: int, head_groups: int, m_blocks: int, key_capacity: int, slots: int) -> int:
+    """The split-KV rule for num_splits=0: as many splits as keep the blocks (batch x head groups x
+    packed q blocks x splits) within one wave of the GPU's `slots` (SMs x the kernel's blocks per
+    SM), each split at least MIN_KEYS_PER_SPLIT keys of the cache's capacity (the index arrays'
+    values are on the GPU: the plan may not read them), at most MAX_SPLITS; none when the blocks
+    without splits fill half the slots or more. (A second wave of a few blocks costs a whole
+    block's time: 5 splits of 8 x 8k keys, 320 blocks on an H200's 264 slots, took 1.4x as long
+    as 4.)"""
     blocks = batch * head_groups * m_blocks
-    if blocks == 0 or blocks >= num_sms:
+    if blocks == 0:
         return 1
-    want = -(-2 * num_sms // blocks)
-    return max(1, min(want, key_capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+    return max(1, min(slots // blocks, key_capacity // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+
+def blocks_per_sm(kernel, device) -> int:
+    """How many blocks of `kernel` (a DecodeVariant or PrefillVariant) an SM of `device` holds, by
+    shared memory (an SM has 1 KiB more than a block may opt in to, and each block reserves 1 KiB)
+    and threads (2048 per SM on sm80 and sm90, 1536 on sm86 and sm89)."""
+    by_smem = (device.smem_per_block_optin + 1024) // (kernel.smem_bytes + 1024)
+    by_threads = (2048 if device.capability in (80, 90) else 1536) // kernel.threads
+    return max(1, min(by_smem, by_threads))
+
+
+def page_divider(page_size: int) -> tuple:
+    """(mul, shift) with row // page_size == (row * mul) >> shift for every 0 <= row < 2**31, mul
+    < 2**32: the kernels' division of a cache row by the page size (CacheRows in decode.cu).
+    With l = ceil(log2(page_size)) and mul = ceil(2**(31 + l) / page_size), the product overshoots
+    row / page_size by less than row / 2**(31 + l) < 2**-l <= 1 / page_size, too little to reach
+    the next multiple."""
+    if page_size < 1:
+        raise ValueError(f"page_size must be positive; got {page_size}")
+    shift = 31 + (page_size - 1).bit_length()
+    return -(-(1 << shift) // page_size), shift
 
 
 def unsupported(head_dim: int, device) -> str | None:
@@ -41,14 +77,66 @@ def unsupported(head_dim: int, device) -> str | None:
     if device.capability < 80:
         major, minor = divmod(device.capability, 10)
         return f"needs compute capability 8.0 or newer; this GPU has {major}.{minor}"
-    smem = DecodeVariant(head_dim, "bfloat16", "none", False).smem_bytes
+    smem = max(v.smem_bytes for v in (DecodeVariant(head_dim, "bfloat16", "none", False),
+                                       PrefillVariant(head_dim, "bfloat16", "none", False)))
     if smem > device.smem_per_block_optin:
         return f"head dim {head_dim} needs {smem} bytes of shared memory per block; this GPU grants {device.smem_per_block_optin}"
     return None
 
 
+def _padded_row_bytes(head_dim: int) -> int:
+    return (head_dim + 8) * 2  # a 16-bit row padded by 8 elements (tile.cuh)
+
+
 @dataclass(frozen=True)
 class DecodeVariant:
+    """flash_decode_kernel: warps x 16 keys per step, a ring of `stages` steps (DECODE_TILES)."""
+    head_dim: int
+    dtype: str
+    mask: str  # one of configs.MASKS
+    score_mod: bool
+    warps: int = 0   # 0: DECODE_TILES's
+    stages: int = 0
+
+    source = "decode.cu"
+    nvrtc_options = NVRTC_OPTIONS
+    block_m = DECODE_BLOCK_M
+
+    def __post_init__(self):
+        warps, stages = DECODE_TILES[self.head_dim]
+        object.__setattr__(self, "warps", self.warps or warps)
+        object.__setattr__(self, "stages", self.stages or stages)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def name_expression(self) -> str:
+        return (f"flash_decode_kernel<{self.head_dim}, {self.warps}, {self.stages}, {mask_flags(self.mask)}, "
+                f"{cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.score_mod)}>")
+
+    @property
+    def smem_bytes(self) -> int:
+        """Q, the larger of the K, V ring and the warps' merge area, a barrier per warp and stage
+        (DecodeTraits)."""
+        row = _padded_row_bytes(self.head_dim)
+        ring = self.stages * 2 * 16 * self.warps * row
+        merge = self.warps * DECODE_BLOCK_M * (self.head_dim + 8 + 2) * 4
+        return DECODE_BLOCK_M * row + max(ring, merge) + 8 * self.warps * self.stages
+
+    @property
+    def layout_check(self) -> str:
+        return build.smem_check(f"DecodeTraits<{self.head_dim}, {self.warps}, {self.stages}>", self)
+
+    def __str__(self) -> str:
+        return (f"decode d={self.head_dim} {self.dtype} mask={self.mask}" + ("+score_mod" if self.score_mod else "")
+                + f" tile={DECODE_BLOCK_M}x{16 * self.warps} stages={self.stages}")
+
+
+@dataclass(frozen=True)
+class PrefillVariant:
+    """flash_prefill_kernel: 64 packed rows, 4 warps of 16 rows, two stages of PREFILL_BLOCK_N keys."""
     head_dim: int
     dtype: str
     mask: str  # one of configs.MASKS
@@ -56,35 +144,68 @@ class DecodeVariant:
 
     source = "decode.cu"
     nvrtc_options = NVRTC_OPTIONS
+    block_m = PREFILL_BLOCK_M
+    threads = 128
 
     @property
     def block_n(self) -> int:
-        return BLOCK_N[self.head_dim]
+        return PREFILL_BLOCK_N[self.head_dim]
 
     @property
     def name_expression(self) -> str:
-        return (f"flash_decode_kernel<{self.head_dim}, {self.block_n}, {mask_flags(self.mask)}, "
+        return (f"flash_prefill_kernel<{self.head_dim}, {self.block_n}, {mask_flags(self.mask)}, "
                 f"{cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.score_mod)}>")
 
     @property
     def smem_bytes(self) -> int:
-        """Q, then STAGES x (K, V), rows padded by 8 elements (DecodeTraits)."""
-        return (BLOCK_M + STAGES * 2 * self.block_n) * (self.head_dim + 8) * 2
+        """Q, then 2 stages x (K, V), rows padded by 8 elements (PrefillTraits)."""
+        return (PREFILL_BLOCK_M + 2 * 2 * self.block_n) * _padded_row_bytes(self.head_dim)
 
     @property
     def layout_check(self) -> str:
-        return build.smem_check(f"DecodeTraits<{self.head_dim}, {self.block_n}>", self)
+        return build.smem_check(f"PrefillTraits<{self.head_dim}, {self.block_n}>", self)
 
     def __str__(self) -> str:
-        return (f"decode d={self.head_dim} {self.dtype} mask={self.mask}" + ("+score_mod" if self.score_mod else "")
-                + f" tile={BLOCK_M}x{self.block_n}")
+        return (f"prefill d={self.head_dim} {self.dtype} mask={self.mask}" + ("+score_mod" if self.score_mod else "")
+                + f" tile={PREFILL_BLOCK_M}x{self.block_n}")
+
+
+def attention_variant(rows: int, head_dim: int, dtype: str, mask: str, score_mod: bool, capability: int = 80):
+    """The kernel for `rows` packed query rows per (sequence, kv head group) on a GPU of this
+    compute capability."""
+    if rows > DECODE_MAX_ROWS:
+        return PrefillVariant(head_dim, dtype, mask, score_mod)
+    warps, stages = DECODE_TILES_SM90.get(head_dim, (0, 0)) if capability == 90 else (0, 0)
+    return DecodeVariant(head_dim, dtype, mask, score_mod, warps, stages)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The attention kernel's launch for one call: grid (m_blocks x splits, nheads / pack, batch)."""
+    kernel: object  # DecodeVariant or PrefillVariant
+    pack: int       # query heads per block: those of a kv head, or one (per-head ALiBi slopes or sinks)
+    m_blocks: int   # blocks of packed query rows per (sequence, head group)
+    splits: int     # parts of each sequence's keys, merged by their LSEs
+
+
+def plan_launch(problem: Problem, num_splits: int, device) -> DecodePlan:
+    """The launch for `problem` (max_seqlen_k: the cache's capacity) with num_splits asked (0: the
+    rule, num_splits_for) on `device` (a DeviceInfo)."""
+    o = problem.options
+    pack = 1 if o.alibi_slopes is not None or o.sinks is not None else problem.nheads // problem.nheads_k
+    rows = problem.max_seqlen_q * pack
+    kernel = attention_variant(rows, problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod,
+                               device.capability)
+    m_blocks = -(-rows // kernel.block_m)
+    splits = num_splits or num_splits_for(problem.batch, problem.nheads // pack, m_blocks, problem.max_seqlen_k,
+                                          device.sm_count * blocks_per_sm(kernel, device))
+    return DecodePlan(kernel, pack, m_blocks, min(splits, MAX_SPLITS))
 
 
 @dataclass(frozen=True)
 class DecodeHelper:
-    """The append, the query rotation and the combine: one instance per (head dim, dtype)."""
+    """The append and the query rotation: one instance per dtype."""
     kernel: str  # one of HELPER_KERNELS
-    head_dim: int
     dtype: str
 
     source = "decode.cu"
@@ -94,30 +215,55 @@ class DecodeHelper:
 
     @property
     def name_expression(self) -> str:
-        bf16 = cpp_bool(self.dtype == "bfloat16")
-        return f"{self.kernel}<{self.head_dim}, {bf16}>" if self.kernel in HEAD_DIM_KERNELS else f"{self.kernel}<{bf16}>"
+        return f"{self.kernel}<{cpp_bool(self.dtype == 'bfloat16')}>"
 
     def __str__(self) -> str:
-        return f"{self.kernel} d={self.head_dim} {self.dtype}"
+        return f"{self.kernel} {self.dtype}"
 
 
-HEAD_DIM_KERNELS = ("flash_decode_combine_kernel",)
-HELPER_KERNELS = ("kvcache_append_kernel", "rotary_q_kernel") + HEAD_DIM_KERNELS
+HELPER_KERNELS = ("kvcache_append_kernel", "rotary_q_kernel")
+ATTENTION_KERNELS = ("flash_decode_kernel", "flash_prefill_kernel")
 
 
 def variants(head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"), masks=("none", "causal", "local"),
              score_mods=(False, True)) -> list:
-    """Every decode kernel: the main kernel's instances, then the helpers'."""
-    main = [DecodeVariant(d, dt, m, mod) for d in head_dims for dt in dtypes for m in masks for mod in score_mods]
-    helpers = [DecodeHelper(k, d if k in HEAD_DIM_KERNELS else 0, dt) for k in HELPER_KERNELS for d in head_dims
-               for dt in dtypes]
-    return main + list(dict.fromkeys(helpers))
+    """Every kv-cache kernel: both attention kernels' instances (the decode kernel's Hopper tiles
+    too), then the helpers'."""
+    main = [kind(d, dt, m, mod) for kind in (DecodeVariant, PrefillVariant) for d in head_dims for dt in dtypes
+            for m in masks for mod in score_mods]
+    hopper = [DecodeVariant(d, dt, m, mod, *DECODE_TILES_SM90[d]) for d in head_dims if d in DECODE_TILES_SM90
+              for dt in dtypes for m in masks for mod in score_mods]
+    return main + hopper + [DecodeHelper(k, dt) for k in HELPER_KERNELS for dt in dtypes]
+
+
+def hopper_only(variant) -> bool:
+    """A decode kernel with Hopper's tiles (DECODE_TILES_SM90): more shared memory than sm80-89 grant."""
+    return isinstance(variant, DecodeVariant) and \
+        (variant.warps, variant.stages) == DECODE_TILES_SM90.get(variant.head_dim) != DECODE_TILES[variant.head_dim]
 
 
 def ci_cases() -> list:
     """(variant, arch) pairs CI compiles: every kernel once, bfloat16 for sm_90a and float16 for
-    sm_80 (as the sm80 families: each dtype and each arch with every option)."""
-    return [(v, "sm_90a" if v.dtype == "bfloat16" else "sm_80") for v in variants()]
+    sm_80 (as the sm80 families: each dtype and each arch with every option); Hopper's tiles for
+    sm_90a alone."""
+    return [(v, "sm_90a" if v.dtype == "bfloat16" or hopper_only(v) else "sm_80") for v in variants()]
+
+
+_split_counters: dict = {}
+
+
+def split_counters(count: int):
+    """Zeroed int32 counters for the attention kernels' merge of their splits (the last split's
+    block merges; the kernels leave every counter at zero), at least `count`: one buffer per
+    (device, stream), allocated on first use and when a launch needs more, so a decode loop
+    allocates nothing for them and launches on different streams never share them."""
+    import cupy
+
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    counters = _split_counters.get(key)
+    if counters is None or counters.size < count:
+        counters = _split_counters[key] = cupy.zeros(max(count, 4096), cupy.int32)
+    return counters
 
 
 def _index_array(value, name: str, batch: int, device: int, check_values: bool):
@@ -177,7 +323,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         softmax_scale, causal, window_size, softcap, alibi_slopes, sinks: as flash_attn_func, the
             masks aligned to the bottom right (the last query row is the last key's position).
         num_splits: how many parts each sequence's keys are cut into (split-KV), merged by their
-            LSEs; 0 (default) chooses (num_splits_for), 1 turns splitting off.
+            LSEs; 0 (default) chooses (num_splits_for), 1 turns splitting off; at most MAX_SPLITS
+            (128) are used.
         return_lse: also return softmax_lse, float32 (batch, nheads, seqlen_q).
         check_values: check the index arrays' values (cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table) before any launch. Host arrays are always checked; GPU
@@ -265,24 +412,27 @@ def _launch(problem, q, k_cache, v_cache, k, v, seqlens, batch_idx, leftpad, blo
 
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k = k_cache.shape[2]
-    o = problem.options
-    pack = 1 if o.alibi_slopes is not None or o.sinks is not None else nheads // nheads_k  # per-head ALiBi, sink
-    m_blocks = -(-seqlen_q * pack // BLOCK_M)
-    splits = num_splits or num_splits_for(batch, nheads // pack, m_blocks, problem.max_seqlen_k, device.sm_count)
+    plan = plan_launch(problem, num_splits, device)
+    main, pack, m_blocks, splits = plan.kernel, plan.pack, plan.m_blocks, plan.splits
     q_eff = q if rotary_cos is None else cupy.empty(q.shape, q.dtype)
     partial = splits > 1
     out_partial = cupy.empty((splits, batch, nheads, seqlen_q, head_dim), cupy.float32) if partial else None
     lse_partial = cupy.empty((splits, batch, nheads, seqlen_q), cupy.float32) if partial else None
+    paged = block_table is not None
+    page_size = k_cache.shape[1] if paged else 0
+    div_mul, div_shift = page_divider(page_size) if paged else (0, 0)
     values = params.fwd_values(problem, q_eff, k_cache, v_cache, out, lse)
     values.update({
         "k_cache": k_cache, "v_cache": v_cache, "k_new": k, "v_new": v, "q_source": q,
         "q_rotated": None if rotary_cos is None else q_eff, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
         "cache_seqlens": seqlens, "cache_batch_idx": batch_idx, "cache_leftpad": leftpad, "block_table": block_table,
         "out_partial": out_partial, "lse_partial": lse_partial,
+        "split_counters": split_counters(batch * (nheads // pack) * m_blocks) if partial else None,
         **params.strides("knew", _strides_or_zero(k)), **params.strides("vnew", _strides_or_zero(v)),
         **params.strides("qsrc", _strides_or_zero(q)),
         "block_table_batch_stride": 0 if block_table is None else block_table.strides[0] // 4,
-        "page_size": k_cache.shape[1] if block_table is not None else 0, "seqlen_new": 0 if k is None else k.shape[1],
+        "page_size": page_size, "page_div_mul": div_mul, "page_div_shift": div_shift,
+        "seqlen_new": 0 if k is None else k.shape[1],
         "num_splits": splits, "heads_per_block": pack,
         "rotary_dim": 0 if rotary_cos is None else 2 * rotary_cos.shape[1], "rotary_interleaved": int(interleaved),
         "rotary_q_per_row": int(windowed),
@@ -291,17 +441,14 @@ def _launch(problem, q, k_cache, v_cache, k, v, seqlens, batch_idx, leftpad, blo
     dtype = problem.dtype
     threads = head_dim // 8  # 16 bytes each
     if k is not None and k.size:
-        build.get_kernel(DecodeHelper("kvcache_append_kernel", 0, dtype))((k.shape[1], nheads_k, batch), (threads,),
-                                                                          (record,))
+        build.get_kernel(DecodeHelper("kvcache_append_kernel", dtype))((k.shape[1], nheads_k, batch), (threads,),
+                                                                       (record,))
     if not out.size:
         return
     if rotary_cos is not None:
-        build.get_kernel(DecodeHelper("rotary_q_kernel", 0, dtype))((seqlen_q, nheads, batch), (threads,), (record,))
-    main = DecodeVariant(head_dim, dtype, problem.band.mask, problem.score_mod)
-    build.get_kernel(main)((m_blocks * splits, nheads // pack, batch), (128,), (record,), shared_mem=main.smem_bytes)
-    if partial:
-        build.get_kernel(DecodeHelper("flash_decode_combine_kernel", head_dim, dtype))(
-            (-(-seqlen_q // 4), nheads, batch), (128,), (record,))
+        build.get_kernel(DecodeHelper("rotary_q_kernel", dtype))((seqlen_q, nheads, batch), (threads,), (record,))
+    build.get_kernel(main)((m_blocks * splits, nheads // pack, batch), (main.threads,), (record,),
+                           shared_mem=main.smem_bytes)
 
 
 def _strides_or_zero(array) -> tuple:

@@ -46,9 +46,9 @@ BWD_OWN_FIELDS = (
 DECODE_OWN_FIELDS = (
     [(name, PTR) for name in ("k_cache", "v_cache", "k_new", "v_new", "q_source", "q_rotated", "rotary_cos",
                               "rotary_sin", "cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table",
-                              "out_partial", "lse_partial")]
-    + _strides("knew") + _strides("vnew") + _strides("qsrc") + [("block_table_batch_stride", I64)]
-    + [(name, I32) for name in ("page_size", "seqlen_new", "num_splits", "heads_per_block", "rotary_dim",
+                              "out_partial", "lse_partial", "split_counters")]
+    + _strides("knew") + _strides("vnew") + _strides("qsrc") + [("block_table_batch_stride", I64), ("page_div_mul", I64)]
+    + [(name, I32) for name in ("page_size", "page_div_shift", "seqlen_new", "num_splits", "heads_per_block", "rotary_dim",
                                 "rotary_interleaved", "rotary_q_per_row")]
 )
 STRUCTS = {"FwdParams": (FWD_FIELDS, None), "BwdParams": (BWD_OWN_FIELDS, "FwdParams"),

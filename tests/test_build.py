@@ -50,7 +50,7 @@ def test_every_kernel_is_covered():
                 assert v in compiled or plain in compiled, v
     names = {v.name_expression.split("<")[0] for v in compiled}
     assert names == {"flash_fwd_kernel", "flash_fwd_sm90_kernel", "flash_bwd_kernel", "flash_bwd_sm90_kernel",
-                     *sm80.BWD_HELPER_KERNELS, "flash_decode_kernel", *kvcache.HELPER_KERNELS}
+                     *sm80.BWD_HELPER_KERNELS, *kvcache.ATTENTION_KERNELS, *kvcache.HELPER_KERNELS}
     assert set(kvcache.variants()) <= compiled
 
 

@@ -16,7 +16,10 @@ from cli_helpers import FAKE_GPU, invoke, on_gpu
 # dims ...), bwd sm90 (d=64, 128 with every option) and sm80 (144 main + 36 helpers)
 FWD_KERNELS = 48 + 72
 BWD_KERNELS = 72 + 180  # sm90 (d=64, 128, 256 x 2 dtypes x 3 masks x deterministic, score mods), sm80 main + helpers
-ALL_KERNELS = FWD_KERNELS + BWD_KERNELS
+# flash_attn_with_kvcache: decode and prefill kernels (4 head dims x 2 dtypes x 3 masks x score mods), the
+# decode kernel's Hopper tiles at d=128 (2 x 3 x 2), the append and the q rotation per dtype
+KVCACHE_KERNELS = 48 + 48 + 12 + 4
+ALL_KERNELS = FWD_KERNELS + BWD_KERNELS + KVCACHE_KERNELS
 
 
 @pytest.fixture
@@ -31,7 +34,8 @@ def cache(tmp_path, monkeypatch):
 def fake_variants(**choice):
     """The variants the fake GPU uses, as the commands pick them."""
     return (cli.fwd_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin, **choice)
-            + cli.bwd_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin, **choice))
+            + cli.bwd_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin, **choice)
+            + cli.kvcache_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin, **choice))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,7 +240,8 @@ class FakePool:
     (["--direction", "fwd"], FWD_KERNELS),
     ([], ALL_KERNELS),
     (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 16 + 16 + 12),
-    (["--dtype", "fp16", "--causal", "off", "--head-dims", "32", "--score-mod", "on"], 1 + 2 + 3),
+    (["--dtype", "fp16", "--causal", "off", "--head-dims", "32", "--score-mod", "on"], 1 + 2 + 3 + 4),
+    (["--direction", "kvcache", "--head-dims", "128", "--dtype", "bf16"], 6 + 6 + 6 + 2),
 ])
 def test_compile_selects_variants(cache, fake_gpu, monkeypatch, args, count):
     pool = FakePool()
@@ -301,7 +306,7 @@ def test_info_counts_and_marks_cached_kernels(cache, fake_gpu):
     out = result.stdout
     assert f"kernel cache:         {cache} (" in out
     assert (f"compiled on disk:     3 of {ALL_KERNELS} flashcupy kernels this GPU can use "
-            f"(fwd 2 of {FWD_KERNELS}, bwd 1 of {BWD_KERNELS})") in out
+            f"(fwd 2 of {FWD_KERNELS}, bwd 1 of {BWD_KERNELS}, kvcache 0 of {KVCACHE_KERNELS})") in out
     assert "`flashcupy compile` builds the rest" in out
     marked = [line.strip() for line in out.splitlines() if line.endswith("[on disk]")]
     assert marked == [f"{forward[2]}  [on disk]", f"{forward[5]}  [on disk]"]

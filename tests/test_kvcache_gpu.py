@@ -62,7 +62,7 @@ def run_case(rng, *, batch, seqlen_q, nheads, nheads_k, head_dim=128, dtype_name
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 @pytest.mark.parametrize("nheads, nheads_k", [(8, 2), (4, 4), (8, 1)])
 def test_decode_one_token(dtype_name, head_dim, nheads, nheads_k):
     rng = np.random.default_rng(head_dim + nheads_k)
@@ -81,6 +81,16 @@ def test_chunked_prefill():
     rng = np.random.default_rng(3)
     run_case(rng, batch=2, seqlen_q=1000, nheads=4, nheads_k=2, capacity=4099, seqlens=[0, 3000], seqlen_new=1000,
              causal=True)
+
+
+@pytest.mark.parametrize("head_dim, num_splits", [(32, 100), (128, 128), (64, 4096)])
+def test_many_rows_many_splits(head_dim, num_splits):
+    """80 packed rows (the prefill kernel) and up to more splits than keys: the last split's block
+    merges its rows in chunks whose weights fit its shared memory; num_splits past MAX_SPLITS is
+    capped."""
+    rng = np.random.default_rng(head_dim)
+    run_case(rng, batch=2, seqlen_q=40, nheads=4, nheads_k=2, head_dim=head_dim, capacity=3000, seqlens=[2960, 129],
+             seqlen_new=40, num_splits=num_splits, causal=True)
 
 
 @pytest.mark.parametrize("seqlens", [[300, 300], [0, 0], [1, 17]])
@@ -135,9 +145,11 @@ def test_many_sequences_beyond_the_sm_count():
              seqlens=rng.integers(0, 129, 300), seqlen_new=0)
 
 
-def test_graph_capture_replays():
+@pytest.mark.parametrize("num_splits", [1, 0, 7])
+def test_graph_capture_replays(num_splits):
     """A decode step captured into a CUDA graph (device index arrays, check_values=False) and replayed
-    twice gives the same result as the direct call."""
+    twice gives the same result as the direct call, with splits too (their merge counters are left
+    at zero by every launch)."""
     import cupy
 
     import flashcupy
@@ -146,15 +158,18 @@ def test_graph_capture_replays():
     q = randn(rng, (2, 1, 8, 128), "bfloat16")
     k_cache, v_cache = (randn(rng, (2, 256, 2, 128), "bfloat16") for _ in range(2))
     seqlens = cupy.asarray(np.array([10, 200], np.int32))
-    want = flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, check_values=False)
-    # a second call returns its blocks to CuPy's pool: the captured call allocates without cudaMalloc
-    spare = flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, check_values=False)
-    del spare
+    step = dict(cache_seqlens=seqlens, check_values=False, num_splits=num_splits)
+    want = flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, **step)
     cupy.cuda.Device().synchronize()
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
+        # a call on this stream first: its counters exist, and its blocks go back to CuPy's pool,
+        # so the captured call allocates without cudaMalloc
+        spare = flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, **step)
+        del spare
+        stream.synchronize()
         stream.begin_capture()
-        got = flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, check_values=False)
+        got = flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, **step)
         graph = stream.end_capture()
         for _ in range(2):
             got.fill(0)

@@ -141,13 +141,30 @@ def test_merge_of_empty_parts():
 
 
 def test_split_rule():
-    """No split when the blocks fill the GPU; else two blocks per SM, at least MIN_KEYS_PER_SPLIT
-    keys each."""
-    assert kvcache.num_splits_for(64, 8, 1, 8192, 132) == 1
-    assert kvcache.num_splits_for(1, 8, 1, 8192, 132) == 33  # 8 blocks -> 264
-    assert kvcache.num_splits_for(1, 8, 1, 2048, 132) == 2048 // kvcache.MIN_KEYS_PER_SPLIT
-    assert kvcache.num_splits_for(1, 1, 1, 64, 132) == 1  # too few keys to split
-    assert 1 <= kvcache.num_splits_for(1, 1, 1, 10**7, 132) <= kvcache.MAX_SPLITS
+    """Splits fill one wave of the GPU's slots and no more, at least MIN_KEYS_PER_SPLIT keys each;
+    none once the blocks fill half the slots."""
+    slots = 264  # 132 SMs x 2 blocks
+    assert kvcache.num_splits_for(64, 8, 1, 8192, slots) == 1  # 512 blocks
+    assert kvcache.num_splits_for(32, 8, 1, 65536, slots) == 1  # 256 blocks: a second wave would be 248
+    assert kvcache.num_splits_for(8, 8, 1, 8192, slots) == 4  # 256 blocks, not 5 x 64 = 320
+    assert kvcache.num_splits_for(1, 8, 1, 8192, slots) == 33  # 8 blocks -> 264
+    assert kvcache.num_splits_for(1, 8, 1, 2048, slots) == 2048 // kvcache.MIN_KEYS_PER_SPLIT
+    assert kvcache.num_splits_for(1, 1, 1, 64, slots) == 1  # too few keys to split
+    assert kvcache.num_splits_for(1, 1, 1, 10**7, slots) == kvcache.MAX_SPLITS
+    assert kvcache.num_splits_for(0, 8, 1, 8192, slots) == 1
+
+
+def test_blocks_per_sm():
+    """By shared memory, then by threads: the decode kernel's tiles on an H100/H200 and an RTX 4090."""
+    hopper = DeviceInfo(0, "H200", 90, 132, 227 * 1024, 141 << 30)
+    ada = DeviceInfo(0, "RTX 4090", 89, 128, 99 * 1024, 24 << 30)
+    for v in kvcache.variants():
+        if isinstance(v, (kvcache.DecodeVariant, kvcache.PrefillVariant)):
+            for device in (hopper, ada):
+                n = kvcache.blocks_per_sm(v, device)
+                assert n * (v.smem_bytes + 1024) <= device.smem_per_block_optin + 1024 or n == 1
+                threads = 2048 if device.capability == 90 else 1536
+                assert (n + 1) * (v.smem_bytes + 1024) > device.smem_per_block_optin + 1024 or (n + 1) * v.threads > threads
 
 
 # ---- argument checks ----------------------------------------------------------------------------
@@ -220,16 +237,70 @@ def test_unused_blocks_of_the_table_are_not_checked():
     check_kvcache_values(**_values(block_table=np.array([[0, -1], [1, 99]], np.int32), cache_entries=4))
 
 
-def test_decode_variants_name_their_kernels():
+def test_kvcache_variants_name_their_kernels():
     names = [v.name_expression for v in kvcache.variants(head_dims=(128,), dtypes=("bfloat16",), masks=("causal",))]
-    assert names == ["flash_decode_kernel<128, 64, true, false, true, false>",  # block_n 64
-                     "flash_decode_kernel<128, 64, true, false, true, true>",
-                     "kvcache_append_kernel<true>", "rotary_q_kernel<true>", "flash_decode_combine_kernel<128, true>"]
+    warps, stages = kvcache.DECODE_TILES[128]
+    h_warps, h_stages = kvcache.DECODE_TILES_SM90[128]
+    assert names == [f"flash_decode_kernel<128, {warps}, {stages}, true, false, true, false>",
+                     f"flash_decode_kernel<128, {warps}, {stages}, true, false, true, true>",
+                     "flash_prefill_kernel<128, 64, true, false, true, false>",  # block_n 64
+                     "flash_prefill_kernel<128, 64, true, false, true, true>",
+                     f"flash_decode_kernel<128, {h_warps}, {h_stages}, true, false, true, false>",  # Hopper's tiles
+                     f"flash_decode_kernel<128, {h_warps}, {h_stages}, true, false, true, true>",
+                     "kvcache_append_kernel<true>", "rotary_q_kernel<true>"]
+
+
+def test_few_rows_take_the_decode_kernel_many_the_prefill_kernel():
+    for rows in (1, 4, 16, kvcache.DECODE_MAX_ROWS):
+        assert isinstance(kvcache.attention_variant(rows, 128, "bfloat16", "none", False), kvcache.DecodeVariant)
+    for rows in (kvcache.DECODE_MAX_ROWS + 1, 64, 4096):
+        assert isinstance(kvcache.attention_variant(rows, 64, "float16", "causal", True), kvcache.PrefillVariant)
+
+
+@pytest.mark.parametrize("page_size", list(range(1, 70)) + [96, 100, 127, 128, 255, 256, 257, 1000, 1024, 4096,
+                                                           65535, 65536, 10**6, 2**30 + 7])
+def test_page_divider_divides_every_row(page_size):
+    """The kernels' row // page_size as (row * mul) >> shift, against Python's division on rows near
+    every multiple (where a rounding error would show first) and up to 2**31 - 1."""
+    mul, shift = kvcache.page_divider(page_size)
+    assert 0 < mul < 2**32
+    multiples = np.concatenate([np.arange(5), 2**31 // page_size - np.arange(2)]) * page_size
+    rows = np.concatenate([np.arange(min(4 * page_size + 3, 5000)), (multiples[:, None] + [-1, 0, 1, page_size - 1]).ravel(),
+                           RNG.integers(0, 2**31, 2000), [2**31 - 1]]).astype(np.int64)
+    rows = rows[(rows >= 0) & (rows < 2**31)]
+    quotient = (rows.astype(object) * mul) >> shift  # Python ints: the kernel's 64-bit product exactly
+    assert list(quotient) == list(rows // page_size)
+    with pytest.raises(ValueError, match="page_size"):
+        kvcache.page_divider(0)
+
+
+def test_the_merge_has_room_for_every_split():
+    """After its loop a block merges its splits in the shared memory it used (merge_splits): the
+    decode kernel in all but Q's and the barriers', the prefill kernel in all of it; a chunk of one
+    row needs a weight per split (MAX_SPLITS), the row's LSE and one split's row of the output."""
+    for v in kvcache.variants():
+        need = kvcache.MAX_SPLITS + 1 + v.head_dim + 3 if hasattr(v, "head_dim") else 0
+        if isinstance(v, kvcache.DecodeVariant):
+            region = v.smem_bytes - kvcache.DECODE_BLOCK_M * (v.head_dim + 8) * 2 - 8 * v.warps * v.stages
+            assert region // 4 >= need, v
+        elif isinstance(v, kvcache.PrefillVariant):
+            assert v.smem_bytes // 4 >= need, v
 
 
 def test_decode_tiles_fit_every_gpu_that_runs_them():
-    """Every head dim's blocks fit the 99 KiB an Ampere/Ada block may have (A100 and Hopper more)."""
+    """Every head dim's blocks fit the 99 KiB an Ampere/Ada block may have (A100 and Hopper more);
+    Hopper's own tiles fit its 227 KiB, are compiled for sm_90a and are chosen there alone."""
     for v in kvcache.variants():
-        assert v.smem_bytes <= 99 * 1024, v
+        assert v.smem_bytes <= (227 if kvcache.hopper_only(v) else 99) * 1024, v
+    assert any(kvcache.hopper_only(v) for v in kvcache.variants())
+    for v, arch in kvcache.ci_cases():
+        if kvcache.hopper_only(v):
+            assert arch == "sm_90a", v
+    for d in kvcache.HEAD_DIMS:
+        ampere = kvcache.attention_variant(1, d, "float16", "none", False, capability=86)
+        hopper = kvcache.attention_variant(4, d, "float16", "none", False, capability=90)
+        assert (ampere.warps, ampere.stages) == kvcache.DECODE_TILES[d]
+        assert (hopper.warps, hopper.stages) == kvcache.DECODE_TILES_SM90.get(d, kvcache.DECODE_TILES[d])
+        assert not kvcache.hopper_only(ampere)
     assert kvcache.unsupported(256, DeviceInfo(0, "RTX 4090", 89, 128, 99 * 1024, 24 << 30)) is None
     assert "8.0" in kvcache.unsupported(128, DeviceInfo(0, "T4", 75, 40, 64 * 1024, 16 << 30))
