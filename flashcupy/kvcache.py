@@ -24,10 +24,14 @@ MIN_KEYS_PER_SPLIT = 128  # less and the partials' traffic outweighs the paralle
 # dim, (warps, ring stages), each block within 99 KiB of shared memory (every sm80+ GPU).
 DECODE_BLOCK_M = 16
 DECODE_TILES = {32: (4, 8), 64: (4, 5), 128: (4, 2), 256: (2, 2)}
-# Hopper's own, in its 227 KiB: at 128, 8 warps and 3 stages (213 KiB, a block per SM) took 2-20%
-# less time than (4, 2) on an H200 at every decode point from 1 x 1k to 32 x 64k keys but one
-# (128 sequences x 1k, 5% more).
+# Hopper's own, in its 227 KiB, at 128 (H200, bf16, 32 query heads): 8 warps and 3 stages (213
+# KiB, a block per SM) took 2-20% less time than (4, 2) from 1 x 1k to 32 x 64k keys, but 4
+# warps and 3 stages (106 KiB, two blocks per SM) 5-7% less than either where many blocks of
+# few keys fill the GPU (32 and 128 sequences x 1k keys): the short tile serves calls without
+# splits whose caches hold at most SHORT_KEYS rows.
 DECODE_TILES_SM90 = {128: (8, 3)}
+DECODE_TILES_SM90_SHORT = {128: (4, 3)}
+SHORT_KEYS = 2048
 # Up to this many packed rows (query rows x heads per block) per sequence and head group go to
 # flash_decode_kernel, more to flash_prefill_kernel, whose warps split the rows instead.
 DECODE_MAX_ROWS = 32
@@ -170,13 +174,14 @@ class PrefillVariant:
                 + f" tile={PREFILL_BLOCK_M}x{self.block_n}")
 
 
-def attention_variant(rows: int, head_dim: int, dtype: str, mask: str, score_mod: bool, capability: int = 80):
+def attention_variant(rows: int, head_dim: int, dtype: str, mask: str, score_mod: bool, capability: int = 80,
+                      short: bool = False):
     """The kernel for `rows` packed query rows per (sequence, kv head group) on a GPU of this
-    compute capability."""
+    compute capability; `short`: the blocks fill the GPU without splits and hold few keys each."""
     if rows > DECODE_MAX_ROWS:
         return PrefillVariant(head_dim, dtype, mask, score_mod)
-    warps, stages = DECODE_TILES_SM90.get(head_dim, (0, 0)) if capability == 90 else (0, 0)
-    return DecodeVariant(head_dim, dtype, mask, score_mod, warps, stages)
+    tiles = (DECODE_TILES_SM90_SHORT if short else DECODE_TILES_SM90) if capability == 90 else {}
+    return DecodeVariant(head_dim, dtype, mask, score_mod, *tiles.get(head_dim, (0, 0)))
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,9 @@ def plan_launch(problem: Problem, num_splits: int, device) -> DecodePlan:
     m_blocks = -(-rows // kernel.block_m)
     splits = num_splits or num_splits_for(problem.batch, problem.nheads // pack, m_blocks, problem.max_seqlen_k,
                                           device.sm_count * blocks_per_sm(kernel, device))
+    if splits == 1 and problem.max_seqlen_k <= SHORT_KEYS:
+        kernel = attention_variant(rows, problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod,
+                                   device.capability, short=True)
     return DecodePlan(kernel, pack, m_blocks, min(splits, MAX_SPLITS))
 
 
@@ -231,15 +239,14 @@ def variants(head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"), masks=("none",
     too), then the helpers'."""
     main = [kind(d, dt, m, mod) for kind in (DecodeVariant, PrefillVariant) for d in head_dims for dt in dtypes
             for m in masks for mod in score_mods]
-    hopper = [DecodeVariant(d, dt, m, mod, *DECODE_TILES_SM90[d]) for d in head_dims if d in DECODE_TILES_SM90
-              for dt in dtypes for m in masks for mod in score_mods]
+    hopper = [DecodeVariant(d, dt, m, mod, *tiles[d]) for tiles in (DECODE_TILES_SM90, DECODE_TILES_SM90_SHORT)
+              for d in head_dims if d in tiles for dt in dtypes for m in masks for mod in score_mods]
     return main + hopper + [DecodeHelper(k, dt) for k in HELPER_KERNELS for dt in dtypes]
 
 
 def hopper_only(variant) -> bool:
-    """A decode kernel with Hopper's tiles (DECODE_TILES_SM90): more shared memory than sm80-89 grant."""
-    return isinstance(variant, DecodeVariant) and \
-        (variant.warps, variant.stages) == DECODE_TILES_SM90.get(variant.head_dim) != DECODE_TILES[variant.head_dim]
+    """A decode kernel with Hopper's tiles (DECODE_TILES_SM90*): more shared memory than sm80-89 grant."""
+    return isinstance(variant, DecodeVariant) and (variant.warps, variant.stages) != DECODE_TILES[variant.head_dim]
 
 
 def ci_cases() -> list:

@@ -241,12 +241,15 @@ def test_kvcache_variants_name_their_kernels():
     names = [v.name_expression for v in kvcache.variants(head_dims=(128,), dtypes=("bfloat16",), masks=("causal",))]
     warps, stages = kvcache.DECODE_TILES[128]
     h_warps, h_stages = kvcache.DECODE_TILES_SM90[128]
+    s_warps, s_stages = kvcache.DECODE_TILES_SM90_SHORT[128]
     assert names == [f"flash_decode_kernel<128, {warps}, {stages}, true, false, true, false>",
                      f"flash_decode_kernel<128, {warps}, {stages}, true, false, true, true>",
                      "flash_prefill_kernel<128, 64, true, false, true, false>",  # block_n 64
                      "flash_prefill_kernel<128, 64, true, false, true, true>",
                      f"flash_decode_kernel<128, {h_warps}, {h_stages}, true, false, true, false>",  # Hopper's tiles
                      f"flash_decode_kernel<128, {h_warps}, {h_stages}, true, false, true, true>",
+                     f"flash_decode_kernel<128, {s_warps}, {s_stages}, true, false, true, false>",
+                     f"flash_decode_kernel<128, {s_warps}, {s_stages}, true, false, true, true>",
                      "kvcache_append_kernel<true>", "rotary_q_kernel<true>"]
 
 
@@ -302,5 +305,28 @@ def test_decode_tiles_fit_every_gpu_that_runs_them():
         assert (ampere.warps, ampere.stages) == kvcache.DECODE_TILES[d]
         assert (hopper.warps, hopper.stages) == kvcache.DECODE_TILES_SM90.get(d, kvcache.DECODE_TILES[d])
         assert not kvcache.hopper_only(ampere)
+        short = kvcache.attention_variant(4, d, "float16", "none", False, capability=90, short=True)
+        assert (short.warps, short.stages) == kvcache.DECODE_TILES_SM90_SHORT.get(d, kvcache.DECODE_TILES[d])
+
+
+def test_hopper_takes_the_short_tile_for_many_short_sequences():
+    """On sm90 at head dim 128: few blocks (splits) or long caches take DECODE_TILES_SM90, many
+    blocks of at most SHORT_KEYS keys DECODE_TILES_SM90_SHORT; other GPUs DECODE_TILES."""
+    from flashcupy.problem import AttentionOptions, Problem, plan_band
+
+    hopper = DeviceInfo(0, "H200", 90, 132, 227 * 1024, 141 << 30)
+    ada = DeviceInfo(0, "RTX 4090", 89, 128, 99 * 1024, 24 << 30)
+
+    def plan(batch, capacity, device, nheads_k=8):
+        problem = Problem(batch, 1, capacity, 32, nheads_k, 128, "bfloat16", 128 ** -0.5,
+                          plan_band(False, (-1, -1), "bottom_right", 1, capacity), AttentionOptions())
+        p = kvcache.plan_launch(problem, 0, device)
+        return (p.kernel.warps, p.kernel.stages), p.splits
+
+    assert plan(1, 8192, hopper) == (kvcache.DECODE_TILES_SM90[128], 16)
+    assert plan(8, 1024, hopper) == (kvcache.DECODE_TILES_SM90[128], 2)  # 64 blocks: split, latency-bound
+    assert plan(32, 65536, hopper) == (kvcache.DECODE_TILES_SM90[128], 1)
+    assert plan(128, 1024, hopper) == (kvcache.DECODE_TILES_SM90_SHORT[128], 1)
+    assert plan(128, 1024, ada) == (kvcache.DECODE_TILES[128], 1)
     assert kvcache.unsupported(256, DeviceInfo(0, "RTX 4090", 89, 128, 99 * 1024, 24 << 30)) is None
     assert "8.0" in kvcache.unsupported(128, DeviceInfo(0, "T4", 75, 40, 64 * 1024, 16 << 30))
