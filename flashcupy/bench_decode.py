@@ -35,7 +35,8 @@ DEFAULT_HEADS = ((32, 8), (32, 32))  # (query heads, kv heads): GQA 4, MHA
 DEFAULT_HEAD_DIM = 128
 DEFAULT_PAGE_SIZE = 256
 DEFAULT_REPEATS = 20
-HOST_CALLS = 20  # calls behind one long spin for the host time per call
+HOST_CALLS = 10  # calls behind one long spin for the host time per call, HOST_ROUNDS times
+HOST_ROUNDS = 5
 SPIN_US = 1000.0  # longer than the host needs to queue a call and its events
 FLUSH_BYTES = 512 << 20  # several times any L2 (H100 50 MB, H200 60 MB, B200 126 MB)
 BANDWIDTH_BYTES = 2 << 30  # the same-run copy and read bandwidth: buffers far larger than L2
@@ -55,7 +56,8 @@ FIELDS = {
     "warm_us": "median GPU time of `repeats` calls, each after a spin (see the module), K/V left in L2 where it fits",
     "flushed_us": f"the same, each call after a read of {FLUSH_BYTES >> 20} MiB of other memory (nothing of "
                   "the cache in L2)",
-    "host_us": f"host time per call: {HOST_CALLS} calls queued behind a long spin, wall clock over the count",
+    "host_us": f"host time per call: the median over {HOST_ROUNDS} rounds of {HOST_CALLS} calls queued behind a long "
+               "spin, wall clock over the count",
     "kv_bytes": "bytes of K and V read: batch x kv_len x nheads_k x head_dim x 2 (K, V) x 2 bytes",
     "flushed_tbs": "kv_bytes / flushed_us, TB/s (1e12 bytes/s)",
     "peak_fraction": "flushed_tbs over the HBM peak of the document's metadata",
@@ -178,16 +180,19 @@ class Clock:
         events[-1][1].synchronize()
         return statistics.median(cupy.cuda.get_elapsed_time(s, e) for s, e in events) * 1e3
 
-    def host_us(self, step, calls: int = HOST_CALLS) -> float:
-        """Wall time per call of `calls` calls queued behind a spin long enough to hold them all."""
-        with self.stream:
-            self.spin(calls * 2000.0)
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                step()
-            elapsed = time.perf_counter() - t0
-        self.stream.synchronize()
-        return elapsed / calls * 1e6
+    def host_us(self, step, calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> float:
+        """Wall time per call of `calls` calls queued behind a spin long enough to hold them all,
+        the median of `rounds` rounds (a round can catch the interpreter's garbage collection)."""
+        per_call = []
+        for _ in range(rounds):
+            with self.stream:
+                self.spin(calls * 2000.0)
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    step()
+                per_call.append((time.perf_counter() - t0) / calls * 1e6)
+            self.stream.synchronize()
+        return statistics.median(per_call)
 
     def bandwidth_tbs(self, nbytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> dict:
         """Copy (device to device, read + write bytes) and read TB/s over buffers of `nbytes`."""
