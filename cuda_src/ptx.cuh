@@ -131,6 +131,16 @@ FC_DEVICE int atomic_add_acq_rel_gpu(int* addr, int value) {
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(addr), "r"(value) : "memory");
     return old;
 }
+// 16 bytes through the read-only path (data no thread of the kernel writes), and 16 bytes into
+// shared memory.
+FC_DEVICE uint4 ld_nc_v4(const void* addr) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(addr));
+    return v;
+}
+FC_DEVICE void st_shared_v4(u32 addr, uint4 v) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
 FC_DEVICE void cp_async_4(u32 dst, const void* src, int src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }

@@ -46,13 +46,6 @@ FC_DEVICE void tma_load_4d(u32 dst, const TmaDesc* desc, u32 bar, int c0, int c1
                  : "memory");
 }
 
-// `bytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte aligned) by the copy
-// engine, counted on `bar` in bytes: one contiguous run, no tensor map.
-FC_DEVICE void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
 // A 4-D box of float32 in shared memory at `src` added element-wise into global memory (the
 // tensor map's layout) by TMA; coordinates past the tensor's end are dropped. Completion is tracked
 // by bulk groups: bulk_commit closes one, bulk_wait_read<N> waits until at most N groups still read

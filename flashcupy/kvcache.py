@@ -24,14 +24,17 @@ MIN_KEYS_PER_SPLIT = 128  # less and the partials' traffic outweighs the paralle
 # dim, (warps, ring stages), each block within 99 KiB of shared memory (every sm80+ GPU).
 DECODE_BLOCK_M = 16
 DECODE_TILES = {32: (4, 8), 64: (4, 5), 128: (4, 2), 256: (2, 2)}
-# Hopper's own, in its 227 KiB, at 128 (H200, bf16, 32 query heads): 8 warps and 3 stages (213
-# KiB, a block per SM) took 2-20% less time than (4, 2) from 1 x 1k to 32 x 64k keys, but 4
-# warps and 3 stages (106 KiB, two blocks per SM) 5-7% less than either where many blocks of
-# few keys fill the GPU (32 and 128 sequences x 1k keys): the short tile serves calls without
-# splits whose caches hold at most SHORT_KEYS rows.
-DECODE_TILES_SM90 = {128: (8, 3)}
-DECODE_TILES_SM90_SHORT = {128: (4, 3)}
+# Hopper's own at 128 (H200, bf16, 32 query heads; the rows staged through registers, two stages
+# suffice): 8 warps (140 KiB, a block per SM) from 1 x 1k to 32 x 64k keys; 4 warps (two blocks per
+# SM) where many blocks of few keys fill the GPU (128 sequences x 1k keys: 131.7 against 142.2 us):
+# the short tile serves calls without splits whose caches hold at most SHORT_KEYS rows.
+DECODE_TILES_SM90 = {128: (8, 2)}
+DECODE_TILES_SM90_SHORT = {128: (4, 2)}
 SHORT_KEYS = 2048
+# Registers per thread of the sm90 decode kernels that stage rows in registers (head dims up to
+# 128; ptxas: 222-226), rounded up to a warp's allocation unit of 256: they, not shared memory,
+# bound the blocks per SM.
+STAGED_REGISTERS = 232
 # Up to this many packed rows (query rows x heads per block) per sequence and head group go to
 # flash_decode_kernel, more to flash_prefill_kernel, whose warps split the rows instead.
 DECODE_MAX_ROWS = 32
@@ -57,11 +60,14 @@ def num_splits_for(batch: int, head_groups: int, m_blocks: int, key_capacity: in
 
 def blocks_per_sm(kernel, device) -> int:
     """How many blocks of `kernel` (a DecodeVariant or PrefillVariant) an SM of `device` holds, by
-    shared memory (an SM has 1 KiB more than a block may opt in to, and each block reserves 1 KiB)
-    and threads (2048 per SM on sm80 and sm90, 1536 on sm86 and sm89)."""
+    shared memory (an SM has 1 KiB more than a block may opt in to, and each block reserves 1 KiB),
+    threads (2048 per SM on sm80 and sm90, 1536 on sm86 and sm89) and, for the sm90 decode kernels
+    that stage rows in registers, registers (64 Ki per SM)."""
     by_smem = (device.smem_per_block_optin + 1024) // (kernel.smem_bytes + 1024)
     by_threads = (2048 if device.capability in (80, 90) else 1536) // kernel.threads
-    return max(1, min(by_smem, by_threads))
+    staged = device.capability == 90 and isinstance(kernel, DecodeVariant) and kernel.head_dim <= 128
+    by_registers = 65536 // (STAGED_REGISTERS * kernel.threads) if staged else by_threads
+    return max(1, min(by_smem, by_threads, by_registers))
 
 
 def page_divider(page_size: int) -> tuple:
@@ -122,12 +128,11 @@ class DecodeVariant:
 
     @property
     def smem_bytes(self) -> int:
-        """Q, the larger of the K, V ring and the warps' merge area, a barrier per warp and stage
-        (DecodeTraits)."""
+        """Q, then the larger of the K, V ring and the warps' merge area (DecodeTraits)."""
         row = _padded_row_bytes(self.head_dim)
         ring = self.stages * 2 * 16 * self.warps * row
         merge = self.warps * DECODE_BLOCK_M * (self.head_dim + 8 + 2) * 4
-        return DECODE_BLOCK_M * row + max(ring, merge) + 8 * self.warps * self.stages
+        return DECODE_BLOCK_M * row + max(ring, merge)
 
     @property
     def layout_check(self) -> str:
@@ -241,7 +246,7 @@ def variants(head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"), masks=("none",
             for m in masks for mod in score_mods]
     hopper = [DecodeVariant(d, dt, m, mod, *tiles[d]) for tiles in (DECODE_TILES_SM90, DECODE_TILES_SM90_SHORT)
               for d in head_dims if d in tiles for dt in dtypes for m in masks for mod in score_mods]
-    return main + hopper + [DecodeHelper(k, dt) for k in HELPER_KERNELS for dt in dtypes]
+    return list(dict.fromkeys(main + hopper)) + [DecodeHelper(k, dt) for k in HELPER_KERNELS for dt in dtypes]
 
 
 def hopper_only(variant) -> bool:

@@ -195,3 +195,18 @@ def test_bad_values_are_refused_before_any_launch():
         flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3,
                                           cache_batch_idx=np.array([0, 5], np.int32))
     assert np.array_equal(cupy.asnumpy(k_cache.view(cupy.uint16)), before)
+
+
+def test_staged_decode_kernels_fit_their_register_bound():
+    """The split rule counts blocks per SM of the sm90 decode kernels with STAGED_REGISTERS (their
+    rows wait in registers): every such kernel at head dim 128 needs no more."""
+    from flashcupy import build, kvcache
+    from flashcupy.device import device_info
+
+    if device_info().capability != 90:
+        pytest.skip("the decode kernels stage rows in registers on sm90 only")
+    for v in kvcache.variants(head_dims=(128,), dtypes=("bfloat16",)):
+        if isinstance(v, kvcache.DecodeVariant):
+            kernel = build.get_kernel(v)
+            regs = getattr(kernel, "num_regs", None) or kernel.attributes["num_regs"]
+            assert regs <= kvcache.STAGED_REGISTERS, (v, regs)

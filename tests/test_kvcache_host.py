@@ -162,9 +162,15 @@ def test_blocks_per_sm():
         if isinstance(v, (kvcache.DecodeVariant, kvcache.PrefillVariant)):
             for device in (hopper, ada):
                 n = kvcache.blocks_per_sm(v, device)
+                staged = device is hopper and isinstance(v, kvcache.DecodeVariant) and v.head_dim <= 128
+                registers = kvcache.STAGED_REGISTERS if staged else 0
                 assert n * (v.smem_bytes + 1024) <= device.smem_per_block_optin + 1024 or n == 1
+                assert n * registers * v.threads <= 65536 or n == 1
                 threads = 2048 if device.capability == 90 else 1536
-                assert (n + 1) * (v.smem_bytes + 1024) > device.smem_per_block_optin + 1024 or (n + 1) * v.threads > threads
+                assert ((n + 1) * (v.smem_bytes + 1024) > device.smem_per_block_optin + 1024
+                        or (n + 1) * v.threads > threads or (n + 1) * registers * v.threads > 65536)
+    short = kvcache.DecodeVariant(128, "bfloat16", "none", False, *kvcache.DECODE_TILES_SM90_SHORT[128])
+    assert kvcache.blocks_per_sm(short, hopper) == 2  # by registers; shared memory would allow 3
 
 
 # ---- argument checks ----------------------------------------------------------------------------
@@ -246,10 +252,9 @@ def test_kvcache_variants_name_their_kernels():
                      f"flash_decode_kernel<128, {warps}, {stages}, true, false, true, true>",
                      "flash_prefill_kernel<128, 64, true, false, true, false>",  # block_n 64
                      "flash_prefill_kernel<128, 64, true, false, true, true>",
-                     f"flash_decode_kernel<128, {h_warps}, {h_stages}, true, false, true, false>",  # Hopper's tiles
-                     f"flash_decode_kernel<128, {h_warps}, {h_stages}, true, false, true, true>",
-                     f"flash_decode_kernel<128, {s_warps}, {s_stages}, true, false, true, false>",
-                     f"flash_decode_kernel<128, {s_warps}, {s_stages}, true, false, true, true>",
+                     *[f"flash_decode_kernel<128, {w}, {st}, true, false, true, {mod}>"  # Hopper's own tiles
+                       for w, st in dict.fromkeys([(h_warps, h_stages), (s_warps, s_stages)]) if (w, st) != (warps, stages)
+                       for mod in ("false", "true")],
                      "kvcache_append_kernel<true>", "rotary_q_kernel<true>"]
 
 
