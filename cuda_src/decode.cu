@@ -483,12 +483,16 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     if (kStaged) {
         cp_async_commit();
         // loads run a step ahead of the math, block-table reads two
-        for (int i = 0; i < 2 && i < n_steps; ++i) {
-            staged.fetch_blocks(cache, blk.leftpad, key0_of(i), blk.seqlen_k, lane);
-            staged.load(cache, blk.leftpad, key0_of(i), blk.seqlen_k, lane);
-            if (i == 0) staged.store(sK(0) + k_rows, sV(0) + k_rows, lane);
+        if (n_steps > 0) {
+            staged.fetch_blocks(cache, blk.leftpad, key0_of(0), blk.seqlen_k, lane);
+            staged.load(cache, blk.leftpad, key0_of(0), blk.seqlen_k, lane);
+            if (n_steps > 1) staged.fetch_blocks(cache, blk.leftpad, key0_of(1), blk.seqlen_k, lane);
+            staged.store(sK(0) + k_rows, sV(0) + k_rows, lane);
         }
-        if (n_steps > 2) staged.fetch_blocks(cache, blk.leftpad, key0_of(2), blk.seqlen_k, lane);
+        if (n_steps > 1) {
+            staged.load(cache, blk.leftpad, key0_of(1), blk.seqlen_k, lane);
+            if (n_steps > 2) staged.fetch_blocks(cache, blk.leftpad, key0_of(2), blk.seqlen_k, lane);
+        }
     } else {
         // the ring filled but for one stage; one cp.async group per stage always
 #pragma unroll
