@@ -257,14 +257,14 @@ FC_DEVICE void load_kv(u32 sK, u32 sV, const CacheRows& cache, int leftpad, int 
 // (ld.global.nc, zeros for keys at or past seqlen_k), and later stores them as (16 x kHeadDim)
 // tiles. A warp's loads reach L2 as whole 128-byte requests; cp.async and one bulk copy per row
 // reached it as smaller, overlapping ones (1.5x and 1.1x the sectors) and read HBM 5-10% slower.
-// Paged, the rows' blocks come from the block table two steps before their loads (fetch_blocks
-// into `later`, then next_blocks), so the loads of a step never wait for the table.
+// Paged, the rows' blocks come from the block table a step earlier (fetch_blocks), so the loads
+// of a step never wait for the table.
 template <int kHeadDim>
 struct StagedRows {
     static constexpr int kChunks = kHeadDim / 8, kRowsPerPass = 32 / kChunks, kPasses = 16 / kRowsPerPass;
     static_assert(kChunks <= 32 && 16 % kRowsPerPass == 0, "whole rows per pass");
     uint4 k[kPasses], v[kPasses];
-    int blocks[kPasses], later[kPasses];  // paged: the blocks of the rows of the next load, and the one after
+    int blocks[kPasses];  // paged: the blocks of the rows of the next load
 
     FC_DEVICE void fetch_blocks(const CacheRows& cache, int leftpad, int key0, int seqlen_k, int lane) {
         if (!cache.table) return;
@@ -272,16 +272,7 @@ struct StagedRows {
 #pragma unroll
         for (int i = 0; i < kPasses; ++i) {
             const int key = key0 + r0 + i * kRowsPerPass;
-            later[i] = key < seqlen_k ? cache.block_of(leftpad + key) : 0;
-        }
-    }
-    FC_DEVICE void next_blocks(const CacheRows& cache) {
-        if (!cache.table) return;
-#pragma unroll
-        for (int i = 0; i < kPasses; ++i) {
-            const int b = blocks[i];
-            blocks[i] = later[i];
-            later[i] = b;
+            blocks[i] = key < seqlen_k ? cache.block_of(leftpad + key) : 0;
         }
     }
     FC_DEVICE void load(const CacheRows& cache, int leftpad, int key0, int seqlen_k, int lane) {
@@ -491,20 +482,17 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     if (n_steps > 0) load_q<kBlockM, kHeadDim, kThreads>(sQ, p, blk, tid);
     if (kStaged) {
         cp_async_commit();
-        // loads run a step ahead of the math, block-table reads three: before step i's math,
-        // blocks holds step i + 2's blocks and later step i + 3's
-        staged.fetch_blocks(cache, blk.leftpad, key0_of(0), blk.seqlen_k, lane);
-        staged.next_blocks(cache);
-        staged.fetch_blocks(cache, blk.leftpad, key0_of(1), blk.seqlen_k, lane);
+        // loads run a step ahead of the math, block-table reads two
         if (n_steps > 0) {
+            staged.fetch_blocks(cache, blk.leftpad, key0_of(0), blk.seqlen_k, lane);
             staged.load(cache, blk.leftpad, key0_of(0), blk.seqlen_k, lane);
-            staged.next_blocks(cache);
-            staged.fetch_blocks(cache, blk.leftpad, key0_of(2), blk.seqlen_k, lane);
+            if (n_steps > 1) staged.fetch_blocks(cache, blk.leftpad, key0_of(1), blk.seqlen_k, lane);
             staged.store(sK(0) + k_rows, sV(0) + k_rows, lane);
         }
-        if (n_steps > 1) staged.load(cache, blk.leftpad, key0_of(1), blk.seqlen_k, lane);
-        staged.next_blocks(cache);
-        staged.fetch_blocks(cache, blk.leftpad, key0_of(3), blk.seqlen_k, lane);
+        if (n_steps > 1) {
+            staged.load(cache, blk.leftpad, key0_of(1), blk.seqlen_k, lane);
+            if (n_steps > 2) staged.fetch_blocks(cache, blk.leftpad, key0_of(2), blk.seqlen_k, lane);
+        }
     } else {
         // the ring filled but for one stage; one cp.async group per stage always
 #pragma unroll
@@ -562,8 +550,7 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         if (kStaged && i + 1 < n_steps) {  // step i + 1's rows, loaded while step i computed; then step i + 2's
             staged.store(sK((i + 1) % kStages) + k_rows, sV((i + 1) % kStages) + k_rows, lane);
             if (i + 2 < n_steps) staged.load(cache, blk.leftpad, key0_of(i + 2), blk.seqlen_k, lane);
-            staged.next_blocks(cache);
-            staged.fetch_blocks(cache, blk.leftpad, key0_of(i + 4), blk.seqlen_k, lane);
+            if (i + 3 < n_steps) staged.fetch_blocks(cache, blk.leftpad, key0_of(i + 3), blk.seqlen_k, lane);
         }
     }
 

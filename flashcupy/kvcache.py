@@ -32,9 +32,9 @@ DECODE_TILES_SM90 = {128: (8, 2)}
 DECODE_TILES_SM90_SHORT = {128: (4, 2)}
 SHORT_KEYS = 2048
 # Registers per thread of the sm90 decode kernels that stage rows in registers (head dims up to
-# 128; ptxas: up to 250 at 128), rounded up to a warp's allocation unit of 256: they, not shared
+# 128; ptxas: up to 236 at 128), rounded up to a warp's allocation unit of 256: they, not shared
 # memory, bound the blocks per SM.
-STAGED_REGISTERS = 256
+STAGED_REGISTERS = 240
 # Up to this many packed rows (query rows x heads per block) per sequence and head group go to
 # flash_decode_kernel, more to flash_prefill_kernel, whose warps split the rows instead.
 DECODE_MAX_ROWS = 32
