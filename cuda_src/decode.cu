@@ -9,11 +9,11 @@
 // flash_decode_kernel (few query rows: decoding, speculative tokens): one thread block per (packed
 //     q block, split, kv head group, sequence). The query heads that share a kv head are packed
 //     into the block's rows (row r: query row r / pack, head first_head + r % pack), so each K, V
-//     byte is read once per block. The warps split the keys: per step a kStages-deep cp.async ring
-//     brings kBlockN keys, each warp takes 16 of them (S = Q K^T, mask, online softmax, O += P V
-//     over its keys alone, so shared memory is read once per byte), and at the end the warps'
-//     (max, sum, O) merge through shared memory. Memory-bound: the ring keeps several steps of K, V
-//     in flight.
+//     byte is read once per block. The warps split the keys: per step each warp takes 16 of
+//     kBlockN keys (S = Q K^T, mask, online softmax, O += P V over its keys alone, so shared memory
+//     is read once per byte), and at the end the warps' (max, sum, O) merge through shared memory.
+//     Memory-bound: each warp keeps its next rows in flight, by a kStages-deep cp.async ring
+//     (sm80-89) or in registers a step ahead (sm90, StagedRows).
 // flash_prefill_kernel (many query rows: chunked prefill): the warps split the rows, 16 each, and
 //     every warp reads every key block, as the sm80 forward (fwd.cu).
 // Both: K, V rows are found row by row (CacheRows: contiguous, or pages of any size). A block's
