@@ -50,15 +50,29 @@ def _nonempty(items, param):
     return items
 
 
-def _parse_seqlens(ctx, param, values):
-    seqlens = []
-    for item in _nonempty(_items(values), param):
-        try:
-            seqlens.append(bench.parse_seqlen(item))
-        except ValueError as exc:
-            raise click.BadParameter(f"{exc}; sequence lengths are positive integers, e.g. 512,1k,2k",
-                                     param=param) from None
-    return tuple(dict.fromkeys(seqlens))
+def _parsed_items(parse, hint=""):
+    """Callback for a comma list whose items `parse` converts (a ValueError: a usage error naming
+    the option, with `hint`); repeats dropped, order kept."""
+    def callback(ctx, param, values):
+        parsed = []
+        for item in _nonempty(_items(values), param):
+            try:
+                parsed.append(parse(item))
+            except ValueError as exc:
+                raise click.BadParameter(f"{exc}{hint}", param=param) from None
+        return tuple(dict.fromkeys(parsed))
+    return callback
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+_parse_seqlens = _parsed_items(bench.parse_seqlen, "; sequence lengths are positive integers, e.g. 512,1k,2k")
+_parse_positive_ints = _parsed_items(_positive_int)
+_parse_heads = _parsed_items(bench_decode.parse_heads)
 
 
 def _parse_head_dims(ctx, param, values):
@@ -90,24 +104,6 @@ def _parse_peers(ctx, param, values):
         return ()
     return peers
 
-
-def _parse_positive_ints(ctx, param, values):
-    numbers = []
-    for item in _nonempty(_items(values), param):
-        if not item.isdigit() or int(item) < 1:
-            raise click.BadParameter(f"{item!r} is not a positive integer", param=param)
-        numbers.append(int(item))
-    return tuple(dict.fromkeys(numbers))
-
-
-def _parse_heads(ctx, param, values):
-    heads = []
-    for item in _nonempty(_items(values), param):
-        try:
-            heads.append(bench_decode.parse_heads(item))
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param=param) from None
-    return tuple(dict.fromkeys(heads))
 
 
 _OFF_ON = {"off": (False,), "on": (True,), "both": (False, True)}  # --causal, --deterministic
