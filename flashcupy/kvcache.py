@@ -262,6 +262,9 @@ def ci_cases() -> list:
 
 
 _split_counters: dict = {}
+# Every counter buffer ever handed out: a CUDA graph captured with one keeps using it after a
+# larger launch replaced it, so none goes back to CuPy's pool (a few KiB each).
+_retired_counters: list = []
 
 
 def split_counters(count: int):
@@ -274,6 +277,8 @@ def split_counters(count: int):
     key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
     counters = _split_counters.get(key)
     if counters is None or counters.size < count:
+        if counters is not None:
+            _retired_counters.append(counters)
         counters = _split_counters[key] = cupy.zeros(max(count, 4096), cupy.int32)
     return counters
 
