@@ -133,11 +133,15 @@ def test_decode_bad_options_are_usage_errors(args, hint):
     assert "Traceback" not in result.output
 
 
-def test_decode_without_gpu_says_so():
-    result = invoke("bench", "--decode")
-    assert result.exit_code in (0, 3)
-    if result.exit_code == 3:
-        assert "flashcupy:" in result.output
+def test_decode_without_gpu_says_so(monkeypatch):
+    """Options are fine, no GPU: one line saying so and the no-GPU status, before anything runs."""
+    from flashcupy import cli, device
+
+    monkeypatch.setattr(device, "gpu_available", lambda: False)
+    monkeypatch.setattr(bench_decode, "Clock", lambda: pytest.fail("the sweep started"))
+    result = invoke("bench", "--decode", "--batches", "1", "--kv-lens", "1k")
+    assert result.exit_code == cli.NO_GPU_EXIT, result.output
+    assert result.output.startswith("flashcupy: ") and len(result.output.strip().splitlines()) == 1
 
 
 def test_decode_command_glue(monkeypatch, tmp_path, fake_gpu):
