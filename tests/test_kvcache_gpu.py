@@ -99,11 +99,14 @@ def test_full_and_empty_caches_without_append(seqlens):
     run_case(rng, batch=2, seqlen_q=1, nheads=8, nheads_k=2, seqlens=seqlens)
 
 
-@pytest.mark.parametrize("page_size", [16, 48, 64, 256])
-def test_paged_shuffled_tables(page_size):
-    rng = np.random.default_rng(page_size)
-    run_case(rng, batch=3, seqlen_q=1, nheads=8, nheads_k=2, capacity=600, seqlens=[0, 255, 598], seqlen_new=2,
-             page_size=page_size, causal=True)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [1, 7, 16, 17, 40, 48, 64, 256])
+def test_paged_shuffled_tables(page_size, head_dim):
+    """Page sizes a multiple of 16 (a warp's 16 rows of a step in one page: one table read) and
+    others (a block per row), several splits."""
+    rng = np.random.default_rng(page_size + head_dim)
+    run_case(rng, batch=3, seqlen_q=1, nheads=8, nheads_k=2, head_dim=head_dim, capacity=600, seqlens=[0, 255, 598],
+             seqlen_new=2, page_size=page_size, num_splits=3 if page_size % 2 else 0, causal=True)
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
