@@ -25,11 +25,13 @@ MIN_KEYS_PER_SPLIT = 128  # less and the partials' traffic outweighs the paralle
 DECODE_BLOCK_M = 16
 DECODE_TILES = {32: (4, 8), 64: (4, 5), 128: (4, 2), 256: (2, 2)}
 # Hopper's own at 128 (H200, bf16, 32 query heads; the rows staged through registers, two stages
-# suffice): 8 warps (140 KiB, a block per SM) from 1 x 1k to 32 x 64k keys; 4 warps (two blocks per
-# SM) where many blocks of few keys fill the GPU (128 sequences x 1k keys: 131.7 against 142.2 us):
-# the short tile serves calls without splits whose caches hold at most SHORT_KEYS rows.
+# suffice): 8 warps (140 KiB, a block per SM) from 1 x 1k to 32 x 64k keys; 2 warps (four blocks
+# per SM, by registers) where many blocks of few keys fill the GPU, so that one block's start and
+# end overlap the others' loads (32 x 1k keys, MHA: 125.6 us against 143.1 with 4 warps, 128 x 1k:
+# 478 against 494): the short tile serves calls without splits whose caches hold at most SHORT_KEYS
+# rows.
 DECODE_TILES_SM90 = {128: (8, 2)}
-DECODE_TILES_SM90_SHORT = {128: (4, 2)}
+DECODE_TILES_SM90_SHORT = {128: (2, 2)}
 SHORT_KEYS = 2048
 # Registers per thread of the sm90 decode kernels that stage rows in registers (head dims up to
 # 128; ptxas: up to 236 at 128), rounded up to a warp's allocation unit of 256: they, not shared

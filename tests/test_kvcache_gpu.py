@@ -148,6 +148,18 @@ def test_many_sequences_beyond_the_sm_count():
              seqlens=rng.integers(0, 129, 300), seqlen_new=0)
 
 
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_many_short_caches_at_head_dim_128(dtype_name):
+    """Blocks enough to fill the GPU without splits, caches of at most SHORT_KEYS keys: Hopper's
+    short tile (DECODE_TILES_SM90_SHORT), ragged lengths in every position."""
+    rng = np.random.default_rng(29)
+    seqlens = rng.integers(0, 1000, 100)
+    seqlens[:6] = [1, 17, 127, 129, 0, 999]
+    seqlens[-3:] = [129, 1, 17]
+    run_case(rng, batch=100, seqlen_q=1, nheads=8, nheads_k=2, head_dim=128, dtype_name=dtype_name, capacity=1000,
+             seqlens=seqlens, seqlen_new=1)
+
+
 @pytest.mark.parametrize("num_splits", [1, 0, 7])
 def test_graph_capture_replays(num_splits):
     """A decode step captured into a CUDA graph (device index arrays, check_values=False) and replayed
