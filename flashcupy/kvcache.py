@@ -209,11 +209,16 @@ def plan_launch(problem: Problem, num_splits: int, device) -> DecodePlan:
     kernel = attention_variant(rows, problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod,
                                device.capability)
     m_blocks = -(-rows // kernel.block_m)
-    splits = num_splits or num_splits_for(problem.batch, problem.nheads // pack, m_blocks, problem.max_seqlen_k,
-                                          device.sm_count * blocks_per_sm(kernel, device))
+    def splits_for(kernel):
+        return num_splits or num_splits_for(problem.batch, problem.nheads // pack, m_blocks, problem.max_seqlen_k,
+                                            device.sm_count * blocks_per_sm(kernel, device))
+
+    splits = splits_for(kernel)
     if splits == 1 and problem.max_seqlen_k <= SHORT_KEYS:
+        # many blocks of few keys: the short tile, split by its own (larger) count of SM slots
         kernel = attention_variant(rows, problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod,
                                    device.capability, short=True)
+        splits = splits_for(kernel)
     return DecodePlan(kernel, pack, m_blocks, min(splits, MAX_SPLITS))
 
 

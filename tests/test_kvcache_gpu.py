@@ -149,14 +149,15 @@ def test_many_sequences_beyond_the_sm_count():
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-def test_many_short_caches_at_head_dim_128(dtype_name):
-    """Blocks enough to fill the GPU without splits, caches of at most SHORT_KEYS keys: Hopper's
-    short tile (DECODE_TILES_SM90_SHORT), ragged lengths in every position."""
-    rng = np.random.default_rng(29)
-    seqlens = rng.integers(0, 1000, 100)
+@pytest.mark.parametrize("batch", [100, 300])
+def test_many_short_caches_at_head_dim_128(batch, dtype_name):
+    """Many blocks of at most SHORT_KEYS keys: Hopper's short tile (DECODE_TILES_SM90_SHORT), with
+    two splits (100 sequences) and none (300), ragged lengths in every position."""
+    rng = np.random.default_rng(29 + batch)
+    seqlens = rng.integers(0, 1000, batch)
     seqlens[:6] = [1, 17, 127, 129, 0, 999]
     seqlens[-3:] = [129, 1, 17]
-    run_case(rng, batch=100, seqlen_q=1, nheads=8, nheads_k=2, head_dim=128, dtype_name=dtype_name, capacity=1000,
+    run_case(rng, batch=batch, seqlen_q=1, nheads=8, nheads_k=2, head_dim=128, dtype_name=dtype_name, capacity=1000,
              seqlens=seqlens, seqlen_new=1)
 
 

@@ -332,7 +332,11 @@ def test_hopper_takes_the_short_tile_for_many_short_sequences():
     assert plan(8, 1024, hopper) == (kvcache.DECODE_TILES_SM90[128], 2)  # 64 blocks: split, latency-bound
     assert plan(32, 65536, hopper) == (kvcache.DECODE_TILES_SM90[128], 1)
     assert plan(128, 1024, hopper) == (kvcache.DECODE_TILES_SM90_SHORT[128], 1)
-    assert plan(100, 1000, hopper, nheads_k=2) == (kvcache.DECODE_TILES_SM90_SHORT[128], 1)  # a GPU test's case
+    # 256 blocks fill half the long tile's 132 slots but not the short tile's 528: two splits
+    assert plan(32, 1024, hopper) == (kvcache.DECODE_TILES_SM90_SHORT[128], 2)
+    # the GPU test's cases
+    assert plan(100, 1000, hopper, nheads_k=2) == (kvcache.DECODE_TILES_SM90_SHORT[128], 2)
+    assert plan(300, 1000, hopper, nheads_k=2) == (kvcache.DECODE_TILES_SM90_SHORT[128], 1)
     assert plan(128, 1024, ada) == (kvcache.DECODE_TILES[128], 1)
     assert kvcache.unsupported(256, DeviceInfo(0, "RTX 4090", 89, 128, 99 * 1024, 24 << 30)) is None
     assert "8.0" in kvcache.unsupported(128, DeviceInfo(0, "T4", 75, 40, 64 * 1024, 16 << 30))
