@@ -25,13 +25,15 @@ MIN_KEYS_PER_SPLIT = 128  # less and the partials' traffic outweighs the paralle
 DECODE_BLOCK_M = 16
 DECODE_TILES = {32: (4, 8), 64: (4, 5), 128: (4, 2), 256: (2, 2)}
 # Hopper's own at 128 (H200, bf16, 32 query heads; the rows staged through registers, two stages
-# suffice): 8 warps (140 KiB, a block per SM) from 1 x 1k to 32 x 64k keys; 2 warps (four blocks
-# per SM, by registers) where many blocks of few keys fill the GPU, so that one block's start and
-# end overlap the others' loads (32 x 1k keys, MHA: 125.6 us against 143.1 with 4 warps, 128 x 1k:
-# 478 against 494): the short tile serves calls without splits whose caches hold at most SHORT_KEYS
-# rows.
+# suffice): 8 warps (140 KiB, a block per SM) from 1 x 1k to 32 x 64k keys.
 DECODE_TILES_SM90 = {128: (8, 2)}
-DECODE_TILES_SM90_SHORT = {128: (2, 2)}
+# Its short tiles, for calls that the rule leaves unsplit and whose caches hold at most SHORT_KEYS
+# rows (many blocks of few keys): the first whose SM slots hold the blocks in one wave, else the
+# last. Smaller blocks let one block's start and end overlap the others' loads once there are more
+# blocks than slots (H200, alternating runs: 256 blocks of 1k keys 37.6 us with 4 warps against
+# 41.9 with 2 warps and two splits; 1024 blocks 129.1 against 132.2 with 4 warps; 4096 blocks, 128
+# x 1k MHA, 486 against 501).
+DECODE_TILES_SM90_SHORT = {128: ((4, 2), (2, 2))}
 SHORT_KEYS = 2048
 # Registers per thread of the sm90 decode kernels that stage rows in registers (head dims up to
 # 128; ptxas: up to 236 at 128), rounded up to a warp's allocation unit of 256: they, not shared
@@ -181,14 +183,18 @@ class PrefillVariant:
                 + f" tile={PREFILL_BLOCK_M}x{self.block_n}")
 
 
-def attention_variant(rows: int, head_dim: int, dtype: str, mask: str, score_mod: bool, capability: int = 80,
-                      short: bool = False):
+def attention_variant(rows: int, head_dim: int, dtype: str, mask: str, score_mod: bool, capability: int = 80):
     """The kernel for `rows` packed query rows per (sequence, kv head group) on a GPU of this
-    compute capability; `short`: the blocks fill the GPU without splits and hold few keys each."""
+    compute capability (before plan_launch's choice of a short tile)."""
     if rows > DECODE_MAX_ROWS:
         return PrefillVariant(head_dim, dtype, mask, score_mod)
-    tiles = (DECODE_TILES_SM90_SHORT if short else DECODE_TILES_SM90) if capability == 90 else {}
+    tiles = DECODE_TILES_SM90 if capability == 90 else {}
     return DecodeVariant(head_dim, dtype, mask, score_mod, *tiles.get(head_dim, (0, 0)))
+
+
+def short_tiles(head_dim: int, capability: int) -> tuple:
+    """The (warps, stages) a GPU of this compute capability may take for many blocks of few keys."""
+    return DECODE_TILES_SM90_SHORT.get(head_dim, ()) if capability == 90 else ()
 
 
 @dataclass(frozen=True)
@@ -209,15 +215,21 @@ def plan_launch(problem: Problem, num_splits: int, device) -> DecodePlan:
     kernel = attention_variant(rows, problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod,
                                device.capability)
     m_blocks = -(-rows // kernel.block_m)
+
     def splits_for(kernel):
         return num_splits or num_splits_for(problem.batch, problem.nheads // pack, m_blocks, problem.max_seqlen_k,
                                             device.sm_count * blocks_per_sm(kernel, device))
 
     splits = splits_for(kernel)
-    if splits == 1 and problem.max_seqlen_k <= SHORT_KEYS:
-        # many blocks of few keys: the short tile, split by its own (larger) count of SM slots
-        kernel = attention_variant(rows, problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod,
-                                   device.capability, short=True)
+    if splits == 1 and problem.max_seqlen_k <= SHORT_KEYS and isinstance(kernel, DecodeVariant):
+        # many blocks of few keys: the first short tile whose slots hold the blocks in one wave
+        # (else the last), split by its own count of slots
+        blocks = problem.batch * (problem.nheads // pack) * m_blocks
+        for warps, stages in short_tiles(problem.head_dim, device.capability):
+            kernel = DecodeVariant(problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod, warps,
+                                   stages)
+            if blocks <= device.sm_count * blocks_per_sm(kernel, device):
+                break
         splits = splits_for(kernel)
     return DecodePlan(kernel, pack, m_blocks, min(splits, MAX_SPLITS))
 
@@ -251,8 +263,9 @@ def variants(head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"), masks=("none",
     too), then the helpers'."""
     main = [kind(d, dt, m, mod) for kind in (DecodeVariant, PrefillVariant) for d in head_dims for dt in dtypes
             for m in masks for mod in score_mods]
-    hopper = [DecodeVariant(d, dt, m, mod, *tiles[d]) for tiles in (DECODE_TILES_SM90, DECODE_TILES_SM90_SHORT)
-              for d in head_dims if d in tiles for dt in dtypes for m in masks for mod in score_mods]
+    hopper = [DecodeVariant(d, dt, m, mod, *tile) for d in head_dims
+              for tile in ((DECODE_TILES_SM90[d],) if d in DECODE_TILES_SM90 else ()) + short_tiles(d, 90)
+              for dt in dtypes for m in masks for mod in score_mods]
     return list(dict.fromkeys(main + hopper)) + [DecodeHelper(k, dt) for k in HELPER_KERNELS for dt in dtypes]
 
 

@@ -169,8 +169,10 @@ def test_blocks_per_sm():
                 threads = 2048 if device.capability == 90 else 1536
                 assert ((n + 1) * (v.smem_bytes + 1024) > device.smem_per_block_optin + 1024
                         or (n + 1) * v.threads > threads or (n + 1) * registers * v.threads > 65536)
-    short = kvcache.DecodeVariant(128, "bfloat16", "none", False, *kvcache.DECODE_TILES_SM90_SHORT[128])
-    assert kvcache.blocks_per_sm(short, hopper) == 4  # by registers; shared memory would allow more
+    four, two = (kvcache.DecodeVariant(128, "bfloat16", "none", False, *tile)
+                 for tile in kvcache.DECODE_TILES_SM90_SHORT[128])
+    assert kvcache.blocks_per_sm(four, hopper) == 2  # by registers; shared memory would allow 3
+    assert kvcache.blocks_per_sm(two, hopper) == 4
 
 
 # ---- argument checks ----------------------------------------------------------------------------
@@ -247,13 +249,13 @@ def test_kvcache_variants_name_their_kernels():
     names = [v.name_expression for v in kvcache.variants(head_dims=(128,), dtypes=("bfloat16",), masks=("causal",))]
     warps, stages = kvcache.DECODE_TILES[128]
     h_warps, h_stages = kvcache.DECODE_TILES_SM90[128]
-    s_warps, s_stages = kvcache.DECODE_TILES_SM90_SHORT[128]
+    short = kvcache.DECODE_TILES_SM90_SHORT[128]
     assert names == [f"flash_decode_kernel<128, {warps}, {stages}, true, false, true, false>",
                      f"flash_decode_kernel<128, {warps}, {stages}, true, false, true, true>",
                      "flash_prefill_kernel<128, 64, true, false, true, false>",  # block_n 64
                      "flash_prefill_kernel<128, 64, true, false, true, true>",
                      *[f"flash_decode_kernel<128, {w}, {st}, true, false, true, {mod}>"  # Hopper's own tiles
-                       for w, st in dict.fromkeys([(h_warps, h_stages), (s_warps, s_stages)]) if (w, st) != (warps, stages)
+                       for w, st in dict.fromkeys([(h_warps, h_stages), *short]) if (w, st) != (warps, stages)
                        for mod in ("false", "true")],
                      "kvcache_append_kernel<true>", "rotary_q_kernel<true>"]
 
@@ -310,8 +312,8 @@ def test_decode_tiles_fit_every_gpu_that_runs_them():
         assert (ampere.warps, ampere.stages) == kvcache.DECODE_TILES[d]
         assert (hopper.warps, hopper.stages) == kvcache.DECODE_TILES_SM90.get(d, kvcache.DECODE_TILES[d])
         assert not kvcache.hopper_only(ampere)
-        short = kvcache.attention_variant(4, d, "float16", "none", False, capability=90, short=True)
-        assert (short.warps, short.stages) == kvcache.DECODE_TILES_SM90_SHORT.get(d, kvcache.DECODE_TILES[d])
+        assert kvcache.short_tiles(d, 90) == kvcache.DECODE_TILES_SM90_SHORT.get(d, ())
+        assert kvcache.short_tiles(d, 86) == ()
 
 
 def test_hopper_takes_the_short_tile_for_many_short_sequences():
@@ -331,12 +333,15 @@ def test_hopper_takes_the_short_tile_for_many_short_sequences():
     assert plan(1, 8192, hopper) == (kvcache.DECODE_TILES_SM90[128], 16)
     assert plan(8, 1024, hopper) == (kvcache.DECODE_TILES_SM90[128], 2)  # 64 blocks: split, latency-bound
     assert plan(32, 65536, hopper) == (kvcache.DECODE_TILES_SM90[128], 1)
-    assert plan(128, 1024, hopper) == (kvcache.DECODE_TILES_SM90_SHORT[128], 1)
-    # 256 blocks fill half the long tile's 132 slots but not the short tile's 528: two splits
-    assert plan(32, 1024, hopper) == (kvcache.DECODE_TILES_SM90_SHORT[128], 2)
-    # the GPU test's cases
-    assert plan(100, 1000, hopper, nheads_k=2) == (kvcache.DECODE_TILES_SM90_SHORT[128], 2)
-    assert plan(300, 1000, hopper, nheads_k=2) == (kvcache.DECODE_TILES_SM90_SHORT[128], 1)
+    four, two = kvcache.DECODE_TILES_SM90_SHORT[128]
+    # 1024 blocks: more than the 4-warp tile's 264 slots
+    assert plan(128, 1024, hopper) == (two, 1)
+    # 256 blocks fill half the long tile's 132 slots and fit the 4-warp tile's 264
+    assert plan(32, 1024, hopper) == (four, 1)
+    # the GPU test's cases: 120 blocks (the 4-warp tile, two splits), 600 (the 2-warp tile)
+    assert plan(60, 1000, hopper, nheads_k=2) == (four, 2)
+    assert plan(300, 1000, hopper, nheads_k=2) == (two, 1)
+    assert plan(128, 4096, hopper) == (kvcache.DECODE_TILES_SM90[128], 1)  # past SHORT_KEYS
     assert plan(128, 1024, ada) == (kvcache.DECODE_TILES[128], 1)
     assert kvcache.unsupported(256, DeviceInfo(0, "RTX 4090", 89, 128, 99 * 1024, 24 << 30)) is None
     assert "8.0" in kvcache.unsupported(128, DeviceInfo(0, "T4", 75, 40, 64 * 1024, 16 << 30))
