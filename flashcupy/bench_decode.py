@@ -475,8 +475,8 @@ def format_table(records: list[dict], limits: dict) -> str:
             splits = str(r["splits"]) if r.get("splits") else ""
             lines.append(f"{lead}  {name:<20} {r['warm_us']:>8.1f} {r['flushed_us']:>10.1f} "
                          f"{r['flushed_tbs']:>5.2f} {fraction:>7} {r['host_us']:>7.0f} {splits:>6} {vs:>11}")
-    lines += ["", "warm us / flushed us: median GPU time per call (the lower of two passes), K/V left in L2 / L2 "
-                  "flushed before each call; "
+    lines += ["", f"warm us / flushed us: median GPU time per call (the lower of {TIMING_PASSES} passes), K/V left in "
+                  "L2 / L2 flushed before each call; "
                   "TB/s and of peak: K/V bytes over the flushed time; host us: host time per call; vs peers: the "
                   "faster peer's time over flashcupy's, warm/flushed (> 1: flashcupy is faster)"]
     lines += [f"[{number}] {text}" for text, number in notes.items()]
