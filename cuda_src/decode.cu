@@ -16,7 +16,8 @@
 //     (sm80-89) or in registers a step ahead (sm90, StagedRows).
 // flash_prefill_kernel (many query rows: chunked prefill): the warps split the rows, 16 each, and
 //     every warp reads every key block, as the sm80 forward (fwd.cu).
-// Both: K, V rows are found row by row (CacheRows: contiguous, or pages of any size). A block's
+// Both: K, V rows are found through CacheRows (contiguous, or pages of any size; sm90's staged
+//     loads take a warp's 16 rows from one page where the page size allows). A block's
 //     keys are its split's share of the key blocks its rows see. One split writes O and the LSE;
 //     several write float32 partials, each normalized over its own keys (LSE -inf where it saw
 //     none), and the block that finishes a q block's last split merges them (merge_splits):
@@ -258,9 +259,10 @@ FC_DEVICE void load_kv(u32 sK, u32 sV, const CacheRows& cache, int leftpad, int 
 // tiles. A warp's loads reach L2 as whole 128-byte requests; cp.async and one bulk copy per row
 // reached it as smaller, overlapping ones (1.5x and 1.1x the sectors) and read HBM 5-10% slower.
 // Paged, the rows' blocks come from the block table a step earlier (fetch_blocks), so the loads
-// of a step never wait for the table. With pages of a multiple of 16 rows a warp's 16 rows lie in
-// one page: one table read per step and rows a stride apart, as in a contiguous cache (a block and
-// an offset per row cost a third more instructions and 4-25% of the speed on an H100).
+// of a step never wait for the table. With pages of a multiple of 16 rows a warp's 16 rows (key0 a
+// multiple of 16; paged caches have no leftpad) lie in one page: one table read per step and rows a
+// stride apart, as in a contiguous cache (with a block and an offset per row the paged kernel ran
+// a third more instructions and was 4-24% slower than the contiguous one on an H100).
 template <int kHeadDim>
 struct StagedRows {
     static constexpr int kChunks = kHeadDim / 8, kRowsPerPass = 32 / kChunks, kPasses = 16 / kRowsPerPass;

@@ -41,7 +41,7 @@ SPIN_US = 1000.0  # longer than the host needs to queue a call and its events
 FLUSH_BYTES = 512 << 20  # several times any L2 (H100 50 MB, H200 60 MB, B200 126 MB)
 BANDWIDTH_BYTES = 2 << 30  # the same-run copy and read bandwidth: buffers far larger than L2
 # Each row is timed warm then flushed, twice, and the lower median of each kind kept: the first
-# pass after a long case (32 x 128k keys, a few seconds of full-bandwidth reads) read up to 14%
+# pass after a long case (32 x 128k keys, a few seconds of full-bandwidth reads) read up to 13%
 # slow on an H200, the second as the same call does alone.
 TIMING_PASSES = 2
 MEMORY_MARGIN = 1 << 30  # free memory left beside a case's cache (outputs, partials, peers' workspace)
@@ -66,7 +66,7 @@ FIELDS = {
     "kv_bytes": "bytes of K and V read: batch x kv_len x nheads_k x head_dim x 2 (K, V) x 2 bytes",
     "flushed_tbs": "kv_bytes / flushed_us, TB/s (1e12 bytes/s)",
     "peak_fraction": "flushed_tbs over the HBM peak of the document's metadata",
-    "splits": "flashcupy: the split count num_splits=0 chose (kvcache.num_splits_for); null for peers",
+    "splits": "flashcupy: the split count num_splits=0 chose (kvcache.plan_launch); null for peers",
     "speedup": "flashcupy: the faster peer's flushed_us over this row's (> 1: flashcupy is faster); "
                "peers: null",
     "warm_speedup": "the same over warm_us",
@@ -171,8 +171,11 @@ class Clock:
         self.read(self._flush_buffer)
 
     def warm_up(self, step, calls: int = 3, seconds: float = bench.WARMUP_SECONDS) -> None:
-        """Untimed calls (compile, plan, first touch), at least `calls` of them and for at least
-        `seconds`: the first row timed after a case's inputs were drawn read 5-13% slow without."""
+        """The first call (compile, plan, first touch) alone, then untimed calls, at least `calls`
+        of them and for at least `seconds`: the GPU's clocks settle after the idle of a compile."""
+        with self.stream:
+            step()
+        self.stream.synchronize()
         deadline, done = time.perf_counter() + seconds, 0
         with self.stream:
             while done < calls or time.perf_counter() < deadline:

@@ -28,11 +28,12 @@ DECODE_TILES = {32: (4, 8), 64: (4, 5), 128: (4, 2), 256: (2, 2)}
 # suffice): 8 warps (140 KiB, a block per SM) from 1 x 1k to 32 x 64k keys.
 DECODE_TILES_SM90 = {128: (8, 2)}
 # Its short tiles, for calls that the rule leaves unsplit and whose caches hold at most SHORT_KEYS
-# rows (many blocks of few keys): the first whose SM slots hold the blocks in one wave, else the
-# last. Smaller blocks let one block's start and end overlap the others' loads once there are more
-# blocks than slots (H200, alternating runs: 256 blocks of 1k keys 37.6 us with 4 warps against
-# 41.9 with 2 warps and two splits; 1024 blocks 129.1 against 132.2 with 4 warps; 4096 blocks, 128
-# x 1k MHA, 486 against 501).
+# rows: of the long tile and these, the first whose SM slots hold the blocks in one wave, else the
+# last. Where the blocks outnumber a tile's slots, smaller blocks let one block's start and end
+# overlap the others' loads (H200, alternating runs: 128 blocks of 1-2k keys 22.6 and 37.7 us with 8
+# warps against 25.5 and 40.4 with 4 warps and two splits; 256 blocks 37.6 with 4 warps against
+# 41.9 with 2 warps and two splits; 1024 blocks 129.1 with 2 warps against 132.2 with 4; 4096
+# blocks, 128 x 1k MHA, 486 against 501).
 DECODE_TILES_SM90_SHORT = {128: ((4, 2), (2, 2))}
 SHORT_KEYS = 2048
 # Registers per thread of the sm90 decode kernels that stage rows in registers (head dims up to
@@ -215,22 +216,17 @@ def plan_launch(problem: Problem, num_splits: int, device) -> DecodePlan:
     kernel = attention_variant(rows, problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod,
                                device.capability)
     m_blocks = -(-rows // kernel.block_m)
-
-    def splits_for(kernel):
-        return num_splits or num_splits_for(problem.batch, problem.nheads // pack, m_blocks, problem.max_seqlen_k,
-                                            device.sm_count * blocks_per_sm(kernel, device))
-
-    splits = splits_for(kernel)
+    splits = num_splits or num_splits_for(problem.batch, problem.nheads // pack, m_blocks, problem.max_seqlen_k,
+                                          device.sm_count * blocks_per_sm(kernel, device))
     if splits == 1 and problem.max_seqlen_k <= SHORT_KEYS and isinstance(kernel, DecodeVariant):
-        # many blocks of few keys: the first short tile whose slots hold the blocks in one wave
-        # (else the last), split by its own count of slots
+        # many blocks of few keys: a smaller tile while the blocks outnumber this one's slots (they
+        # stay unsplit: a split would add waves)
         blocks = problem.batch * (problem.nheads // pack) * m_blocks
         for warps, stages in short_tiles(problem.head_dim, device.capability):
-            kernel = DecodeVariant(problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod, warps,
-                                   stages)
             if blocks <= device.sm_count * blocks_per_sm(kernel, device):
                 break
-        splits = splits_for(kernel)
+            kernel = DecodeVariant(problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod, warps,
+                                   stages)
     return DecodePlan(kernel, pack, m_blocks, min(splits, MAX_SPLITS))
 
 

@@ -185,6 +185,31 @@ def test_decode_command_glue(monkeypatch, tmp_path, fake_gpu):
     assert seen["peak"] == 3.35 and seen["impls"] == ("flashcupy", "sdpa_cudnn")
 
 
+def test_row_keeps_the_lower_median_of_its_passes(monkeypatch):
+    """A row: warmed once, then TIMING_PASSES passes of warm and flushed timing, the lower of each kept."""
+    monkeypatch.setattr(bench_decode, "_make_step", lambda *args: (lambda: None, 3))
+
+    class FakeClock:
+        def __init__(self):
+            self.times, self.warmed = {False: [20.0, 15.0], True: [30.0, 31.0]}, 0
+
+        def warm_up(self, step):
+            self.warmed += 1
+
+        def time_us(self, step, repeats, flush):
+            return self.times[flush].pop(0)
+
+        def host_us(self, step):
+            return 50.0
+
+    clock = FakeClock()
+    record = bench_decode._bench_row(bench_decode.DecodeCase(1, 1024, 8, 2), ("flashcupy", "contiguous", None), {},
+                                     5, clock)
+    assert record["status"] == "ok", record
+    assert clock.warmed == 1 and clock.times == {False: [], True: []}
+    assert (record["warm_us"], record["flushed_us"], record["host_us"], record["splits"]) == (15.0, 30.0, 50.0, 3)
+
+
 @on_gpu
 def test_decode_bench_tiny_gpu(tmp_path):
     """A tiny sweep on the GPU: every flashcupy row times, the paged one too; peers time or say why not."""

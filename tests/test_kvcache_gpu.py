@@ -149,10 +149,21 @@ def test_many_sequences_beyond_the_sm_count():
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("batch", [60, 300])
+@pytest.mark.parametrize("batch", [100, 300])
 def test_many_short_caches_at_head_dim_128(batch, dtype_name):
-    """Many blocks of at most SHORT_KEYS keys: Hopper's short tiles (DECODE_TILES_SM90_SHORT), 4
-    warps with two splits (60 sequences) and 2 warps (300), ragged lengths in every position."""
+    """Many blocks of at most SHORT_KEYS keys: on Hopper the short tiles (DECODE_TILES_SM90_SHORT),
+    4 warps for 100 sequences x 2 kv heads, 2 warps for 300; ragged lengths in every position."""
+    from flashcupy import kvcache
+    from flashcupy.device import device_info
+    from flashcupy.problem import AttentionOptions, Problem, plan_band
+
+    info = device_info()
+    if info.capability == 90 and 100 <= info.sm_count <= 150:  # H100 PCIe / SXM, H200
+        problem = Problem(batch, 1, 1000, 8, 2, 128, dtype_name, 128 ** -0.5,
+                          plan_band(False, (-1, -1), "bottom_right", 1, 1000), AttentionOptions())
+        plan = kvcache.plan_launch(problem, 0, info)
+        four, two = kvcache.DECODE_TILES_SM90_SHORT[128]
+        assert ((plan.kernel.warps, plan.kernel.stages), plan.splits) == (four if batch == 100 else two, 1)
     rng = np.random.default_rng(29 + batch)
     seqlens = rng.integers(0, 1000, batch)
     seqlens[:6] = [1, 17, 127, 129, 0, 999]

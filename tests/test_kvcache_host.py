@@ -324,24 +324,34 @@ def test_hopper_takes_the_short_tile_for_many_short_sequences():
     hopper = DeviceInfo(0, "H200", 90, 132, 227 * 1024, 141 << 30)
     ada = DeviceInfo(0, "RTX 4090", 89, 128, 99 * 1024, 24 << 30)
 
-    def plan(batch, capacity, device, nheads_k=8):
-        problem = Problem(batch, 1, capacity, 32, nheads_k, 128, "bfloat16", 128 ** -0.5,
-                          plan_band(False, (-1, -1), "bottom_right", 1, capacity), AttentionOptions())
-        p = kvcache.plan_launch(problem, 0, device)
+    def plan(batch, capacity, device, nheads_k=8, seqlen_q=1, num_splits=0):
+        problem = Problem(batch, seqlen_q, capacity, 32, nheads_k, 128, "bfloat16", 128 ** -0.5,
+                          plan_band(False, (-1, -1), "bottom_right", seqlen_q, capacity), AttentionOptions())
+        p = kvcache.plan_launch(problem, num_splits, device)
+        if isinstance(p.kernel, kvcache.PrefillVariant):
+            return "prefill", p.splits
         return (p.kernel.warps, p.kernel.stages), p.splits
 
-    assert plan(1, 8192, hopper) == (kvcache.DECODE_TILES_SM90[128], 16)
-    assert plan(8, 1024, hopper) == (kvcache.DECODE_TILES_SM90[128], 2)  # 64 blocks: split, latency-bound
-    assert plan(32, 65536, hopper) == (kvcache.DECODE_TILES_SM90[128], 1)
+    long = kvcache.DECODE_TILES_SM90[128]
     four, two = kvcache.DECODE_TILES_SM90_SHORT[128]
-    # 1024 blocks: more than the 4-warp tile's 264 slots
+    assert plan(1, 8192, hopper) == (long, 16)
+    assert plan(8, 1024, hopper) == (long, 2)  # 64 blocks: split, latency-bound
+    assert plan(32, 65536, hopper) == (long, 1)
+    assert plan(128, 4096, hopper) == (long, 1)  # past SHORT_KEYS
+    # unsplit, at most SHORT_KEYS keys: the long tile while its 132 slots hold the blocks, the
+    # 4-warp tile while its 264 do, then the 2-warp tile; never split
+    assert plan(16, 2048, hopper) == (long, 1)  # 128 blocks
+    assert plan(33, 2048, hopper) == (four, 1)  # 264 blocks
+    assert plan(34, 2048, hopper) == (two, 1)  # 272 blocks
     assert plan(128, 1024, hopper) == (two, 1)
-    # 256 blocks fill half the long tile's 132 slots and fit the 4-warp tile's 264
-    assert plan(32, 1024, hopper) == (four, 1)
-    # the GPU test's cases: 120 blocks (the 4-warp tile, two splits), 600 (the 2-warp tile)
-    assert plan(60, 1000, hopper, nheads_k=2) == (four, 2)
+    assert plan(100, 1000, hopper, nheads_k=2) == (four, 1)  # the GPU test's cases
     assert plan(300, 1000, hopper, nheads_k=2) == (two, 1)
-    assert plan(128, 4096, hopper) == (kvcache.DECODE_TILES_SM90[128], 1)  # past SHORT_KEYS
+    # few blocks, unsplit because asked or because the cache is short: the long tile
+    assert plan(4, 2048, hopper, num_splits=1) == (long, 1)
+    assert plan(4, 200, hopper) == (long, 1)
+    assert plan(300, 1000, hopper, nheads_k=2, num_splits=3) == (long, 3)
+    # 4 query rows x 16 heads per kv head: the prefill kernel, never a decode tile
+    assert plan(300, 1000, hopper, nheads_k=2, seqlen_q=4) == ("prefill", 1)
     assert plan(128, 1024, ada) == (kvcache.DECODE_TILES[128], 1)
     assert kvcache.unsupported(256, DeviceInfo(0, "RTX 4090", 89, 128, 99 * 1024, 24 << 30)) is None
     assert "8.0" in kvcache.unsupported(128, DeviceInfo(0, "T4", 75, 40, 64 * 1024, 16 << 30))
