@@ -11,9 +11,11 @@ pytestmark = requires_gpu
 
 
 def run_case(rng, *, batch, seqlen_q, nheads, nheads_k, head_dim=128, dtype_name="bfloat16", capacity=300,
-             seqlens, seqlen_new=0, page_size=None, rotary_dim=None, interleaved=True, num_splits=0, **options):
+             seqlens, seqlen_new=0, page_size=None, rotary_dim=None, interleaved=True, num_splits=0, v_extra_heads=0,
+             **options):
     """Random caches (every row written: the rows outside a sequence's keys must not count), the new
-    keys appended, against the reference; returns the relative error of out."""
+    keys appended, against the reference; returns the relative error of out. v_extra_heads: v_cache
+    is a view of a cache with that many more heads (its strides differ from k_cache's)."""
     import cupy
 
     import flashcupy
@@ -21,13 +23,14 @@ def run_case(rng, *, batch, seqlen_q, nheads, nheads_k, head_dim=128, dtype_name
 
     q = randn(rng, (batch, seqlen_q, nheads, head_dim), dtype_name)
     if page_size is None:
-        k_cache, v_cache = (randn(rng, (batch, capacity, nheads_k, head_dim), dtype_name) for _ in range(2))
-        table = None
+        shape, table = (batch, capacity), None
     else:
         blocks_per_seq = -(-capacity // page_size)
         num_blocks = batch * blocks_per_seq + 3  # spare blocks the table never names
-        k_cache, v_cache = (randn(rng, (num_blocks, page_size, nheads_k, head_dim), dtype_name) for _ in range(2))
+        shape = (num_blocks, page_size)
         table = rng.permutation(num_blocks)[:batch * blocks_per_seq].reshape(batch, blocks_per_seq).astype(np.int32)
+    k_cache = randn(rng, (*shape, nheads_k, head_dim), dtype_name)
+    v_cache = randn(rng, (*shape, nheads_k + v_extra_heads, head_dim), dtype_name)[:, :, :nheads_k]
     k = v = cos = sin = None
     if seqlen_new:
         k, v = (randn(rng, (batch, seqlen_new, nheads_k, head_dim), dtype_name) for _ in range(2))
@@ -107,6 +110,17 @@ def test_paged_shuffled_tables(page_size, head_dim):
     rng = np.random.default_rng(page_size + head_dim)
     run_case(rng, batch=3, seqlen_q=1, nheads=8, nheads_k=2, head_dim=head_dim, capacity=600, seqlens=[0, 255, 598],
              seqlen_new=2, page_size=page_size, num_splits=3 if page_size % 2 else 0, causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_cache_batch_idx_and_leftpad(head_dim, num_splits):
+    """Sequences reading other cache entries, keys from a left pad on (one sequence all pad), V with
+    strides of its own."""
+    rng = np.random.default_rng(head_dim + num_splits)
+    run_case(rng, batch=3, seqlen_q=2, nheads=8, nheads_k=2, head_dim=head_dim, capacity=300, seqlens=[40, 5, 298],
+             seqlen_new=2, num_splits=num_splits, causal=True, v_extra_heads=1,
+             cache_batch_idx=np.array([2, 0, 1], np.int32), cache_leftpad=np.array([3, 5, 129], np.int32))
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
