@@ -73,6 +73,10 @@ struct CacheRows {
         }
     }
     FC_DEVICE void find(int row, i64& k_at, i64& v_at) const { find_in(row, table ? block_of(row) : 0, k_at, v_at); }
+    // Do the 16 rows of a group (its first row a multiple of 16 past the leftpad, which paged
+    // caches do not have) lie in one page, a row stride apart? Then the first row's block finds
+    // them all: one table read for 16 rows.
+    FC_DEVICE bool groups_of_16_in_one_page() const { return !table || page_size % 16 == 0; }
 };
 
 // One 16-bit element as a float.
@@ -235,7 +239,9 @@ FC_DEVICE void load_q(u32 s_tile, const DecodeParams& p, const Block& blk, int t
 
 // K and V of keys key0 .. key0 + kRows - 1 into two (kRows x kHeadDim) shared tiles, 16 bytes per
 // cp.async, by kThreads threads (tid: this one's index among them); keys at or past seqlen_k are
-// zero-filled (reading nothing).
+// zero-filled (reading nothing). Each row is found on its own (a table read per row when paged):
+// finding a group of 16 from its first row (CacheRows::groups_of_16_in_one_page, as StagedRows
+// does) made ptxas spill 4-16 bytes in sm_80 instances, which no sm80 GPU here could weigh.
 template <int kRows, int kHeadDim, int kThreads>
 FC_DEVICE void load_kv(u32 sK, u32 sV, const CacheRows& cache, int leftpad, int key0, int seqlen_k, int tid) {
     constexpr int kChunks = kHeadDim / 8, kRowsPerPass = kThreads / kChunks, kPasses = kRows / kRowsPerPass;
@@ -259,21 +265,20 @@ FC_DEVICE void load_kv(u32 sK, u32 sV, const CacheRows& cache, int leftpad, int 
 // tiles. A warp's loads reach L2 as whole 128-byte requests; cp.async and one bulk copy per row
 // reached it as smaller, overlapping ones (1.5x and 1.1x the sectors) and read HBM 5-10% slower.
 // Paged, the rows' blocks come from the block table a step earlier (fetch_blocks), so the loads
-// of a step never wait for the table. With pages of a multiple of 16 rows a warp's 16 rows (key0 a
-// multiple of 16; paged caches have no leftpad) lie in one page: one table read per step and rows a
-// stride apart, as in a contiguous cache (with a block and an offset per row the paged kernel ran
-// a third more instructions and was 4-24% slower than the contiguous one on an H100).
+// of a step never wait for the table. A warp's 16 rows (key0 a multiple of 16) that lie in one page
+// (CacheRows::groups_of_16_in_one_page) take one table read per step and sit a stride apart, as in a
+// contiguous cache (with a block and an offset per row the paged kernel ran a third more
+// instructions and was 4-24% slower than the contiguous one on an H100).
 template <int kHeadDim>
 struct StagedRows {
     static constexpr int kChunks = kHeadDim / 8, kRowsPerPass = 32 / kChunks, kPasses = 16 / kRowsPerPass;
     static_assert(kChunks <= 32 && 16 % kRowsPerPass == 0, "whole rows per pass");
     uint4 k[kPasses], v[kPasses];
-    int blocks[kPasses] = {};  // paged: the blocks of the rows of the next load (one_page: of its first row)
+    int blocks[kPasses] = {};  // paged: the blocks of the rows of the next load (in one page: of its first row)
 
-    FC_DEVICE static bool one_page(const CacheRows& cache) { return !cache.table || cache.page_size % 16 == 0; }
     FC_DEVICE void fetch_blocks(const CacheRows& cache, int leftpad, int key0, int seqlen_k, int lane) {
         if (!cache.table) return;
-        if (one_page(cache)) {
+        if (cache.groups_of_16_in_one_page()) {
             blocks[0] = key0 < seqlen_k ? cache.block_of(leftpad + key0) : 0;
             return;
         }
@@ -286,7 +291,7 @@ struct StagedRows {
     }
     FC_DEVICE void load(const CacheRows& cache, int leftpad, int key0, int seqlen_k, int lane) {
         const int chunk = lane % kChunks, r0 = lane / kChunks;
-        if (one_page(cache)) {
+        if (cache.groups_of_16_in_one_page()) {
             i64 k_at, v_at;
             cache.find_in(leftpad + key0 + r0, blocks[0], k_at, v_at);
 #pragma unroll
