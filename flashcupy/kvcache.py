@@ -205,6 +205,18 @@ class DecodePlan:
     pack: int       # query heads per block: those of a kv head, or one (per-head ALiBi slopes or sinks)
     m_blocks: int   # blocks of packed query rows per (sequence, head group)
     splits: int     # parts of each sequence's keys, merged by their LSEs
+    blocks: int     # batch x head groups x m_blocks: the q blocks, each split `splits` ways
+
+
+def cache_problem(q, k_cache, block_table, options: AttentionOptions) -> Problem:
+    """The problem of a call over this cache: keys up to its capacity (the index arrays' values are
+    on the GPU: the plan may not read them)."""
+    from .validation import dtype_name
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    return Problem._make(q, batch, seqlen_q, capacity, nheads, k_cache.shape[2], head_dim, dtype_name(q.dtype),
+                         options, None, None)
 
 
 def plan_launch(problem: Problem, num_splits: int, device) -> DecodePlan:
@@ -216,18 +228,18 @@ def plan_launch(problem: Problem, num_splits: int, device) -> DecodePlan:
     kernel = attention_variant(rows, problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod,
                                device.capability)
     m_blocks = -(-rows // kernel.block_m)
+    blocks = problem.batch * (problem.nheads // pack) * m_blocks
     splits = num_splits or num_splits_for(problem.batch, problem.nheads // pack, m_blocks, problem.max_seqlen_k,
                                           device.sm_count * blocks_per_sm(kernel, device))
     if splits == 1 and problem.max_seqlen_k <= SHORT_KEYS and isinstance(kernel, DecodeVariant):
         # many blocks of few keys: a smaller tile while the blocks outnumber this one's slots (they
         # stay unsplit: a split would add waves)
-        blocks = problem.batch * (problem.nheads // pack) * m_blocks
         for warps, stages in short_tiles(problem.head_dim, device.capability):
             if blocks <= device.sm_count * blocks_per_sm(kernel, device):
                 break
             kernel = DecodeVariant(problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod, warps,
                                    stages)
-    return DecodePlan(kernel, pack, m_blocks, min(splits, MAX_SPLITS))
+    return DecodePlan(kernel, pack, m_blocks, min(splits, MAX_SPLITS), blocks)
 
 
 @dataclass(frozen=True)
@@ -372,7 +384,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 
     from .api import as_device_array
     from .device import device_info
-    from .validation import ArraySpec, check_band, check_kvcache_inputs, check_kvcache_values, check_softcap, dtype_name
+    from .validation import ArraySpec, check_band, check_kvcache_inputs, check_kvcache_values, check_softcap
 
     arrays = {name: None if a is None else as_device_array(a, name)
               for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
@@ -407,7 +419,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         raise ValueError(f"k_cache has {k_cache.shape[0]} entries for {batch} sequences; give cache_batch_idx to "
                          "choose among them")
     seqlen_new = 0 if k is None else k.shape[1]
-    capacity = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
+    options = AttentionOptions(softmax_scale, causal, window_size, "bottom_right", softcap, arrays["alibi_slopes"],
+                               arrays["sinks"])
+    problem = cache_problem(q, k_cache, table, options)
     device = q.device.id
     with q.device:
         if cache_seqlens is None:
@@ -420,13 +434,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             else None
         windowed = causal or tuple(window_size) != (-1, -1)
         if seqlens_h is not None:
-            check_kvcache_values(seqlens_h, pad_h, idx_h, bt_h, seqlen_new=seqlen_new, capacity=capacity,
+            check_kvcache_values(seqlens_h, pad_h, idx_h, bt_h, seqlen_new=seqlen_new, capacity=problem.max_seqlen_k,
                                  cache_entries=k_cache.shape[0], seqlen_ro=None if rotary_cos is None else
                                  rotary_cos.shape[0], rotary_q_per_row=windowed, seqlen_q=seqlen_q)
-        options = AttentionOptions(softmax_scale, causal, window_size, "bottom_right", softcap, arrays["alibi_slopes"],
-                                   arrays["sinks"])
-        problem = Problem._make(q, batch, seqlen_q, capacity, nheads, k_cache.shape[2], head_dim, dtype_name(q.dtype),
-                                options, None, None)
         out = cupy.empty(q.shape, q.dtype)
         lse = cupy.empty((batch, nheads, seqlen_q), cupy.float32)
         info = device_info(device)
@@ -460,7 +470,7 @@ def _launch(problem, q, k_cache, v_cache, k, v, seqlens, batch_idx, leftpad, blo
         "q_rotated": None if rotary_cos is None else q_eff, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
         "cache_seqlens": seqlens, "cache_batch_idx": batch_idx, "cache_leftpad": leftpad, "block_table": block_table,
         "out_partial": out_partial, "lse_partial": lse_partial,
-        "split_counters": split_counters(batch * (nheads // pack) * m_blocks) if partial else None,
+        "split_counters": split_counters(plan.blocks) if partial else None,
         **params.strides("knew", _strides_or_zero(k)), **params.strides("vnew", _strides_or_zero(v)),
         **params.strides("qsrc", _strides_or_zero(q)),
         "block_table_batch_stride": 0 if block_table is None else block_table.strides[0] // 4,
