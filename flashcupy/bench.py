@@ -347,6 +347,18 @@ def _release_cupy_memory() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+def run_untimed(step, synchronize, warmup=DEFAULT_WARMUP) -> None:
+    """Untimed calls, at least `warmup` of them and WARMUP_SECONDS of them: after the idle of a
+    compile the GPU's clocks take a while to come back (short points read up to 2x slow)."""
+    deadline, calls = time.perf_counter() + WARMUP_SECONDS, 0
+    while calls < warmup or time.perf_counter() < deadline:
+        step()
+        calls += 1
+        if calls % 8 == 0:
+            synchronize()  # the host waits for the GPU, so the wall clock reads its time
+    synchronize()
+
+
 def time_step(step, runtime, repeats=DEFAULT_REPEATS, warmup=DEFAULT_WARMUP) -> tuple[float, float]:
     """(first call ms by wall clock, median ms of `repeats` event-timed calls).
 
@@ -359,14 +371,7 @@ def time_step(step, runtime, repeats=DEFAULT_REPEATS, warmup=DEFAULT_WARMUP) -> 
     step()
     runtime.synchronize()
     first_ms = (time.perf_counter() - t0) * 1e3
-    # untimed calls, at least `warmup` of them and WARMUP_SECONDS of them: after the idle of a
-    # compile the GPU's clocks take a while to come back (short points read up to 2x slow)
-    deadline, calls = time.perf_counter() + WARMUP_SECONDS, 0
-    while calls < warmup or time.perf_counter() < deadline:
-        step()
-        calls += 1
-        if calls % 8 == 0:
-            runtime.synchronize()  # the host waits for the GPU, so the wall clock reads its time
+    run_untimed(step, runtime.synchronize, warmup)
     events = [(runtime.event(), runtime.event()) for _ in range(repeats)]
     for start, end in events:
         start.record()
@@ -656,9 +661,10 @@ def collect_metadata() -> dict:
     }
 
 
-def results_document(records: list[dict], metadata: dict, config: dict) -> dict:
-    """The JSON document `flashcupy bench --json` writes."""
-    return {"schema": SCHEMA, "metadata": metadata, "config": config, "fields": FIELDS, "results": records}
+def results_document(records: list[dict], metadata: dict, config: dict, fields: dict = FIELDS) -> dict:
+    """The JSON document `flashcupy bench --json` writes (`fields`: what each record's keys hold;
+    the decode sweep's are bench_decode.FIELDS)."""
+    return {"schema": SCHEMA, "metadata": metadata, "config": config, "fields": fields, "results": records}
 
 
 def write_json(document: dict, path) -> None:

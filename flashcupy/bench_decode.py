@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import bench
+from . import bench, sm80
 
 IMPLS = ("flashcupy", "sdpa_flash", "sdpa_cudnn")
 PEERS = IMPLS[1:]
@@ -34,7 +34,7 @@ DEFAULT_KV_LENS = (1024, 8192, 32768, 131072)
 DEFAULT_HEADS = ((32, 8), (32, 32))  # (query heads, kv heads): GQA 4, MHA
 DEFAULT_HEAD_DIM = 128
 DEFAULT_PAGE_SIZE = 256
-DEFAULT_REPEATS = 20
+DEFAULT_REPEATS = bench.DEFAULT_REPEATS
 HOST_CALLS = 10  # calls behind one long spin for the host time per call, HOST_ROUNDS times
 HOST_ROUNDS = 5
 SPIN_US = 1000.0  # longer than the host needs to queue a call and its events
@@ -130,7 +130,7 @@ class TimingKernel:
     name: str  # spin_kernel or read_kernel
 
     source = "timing.cu"
-    nvrtc_options = ("-std=c++17",)
+    nvrtc_options = sm80.NVRTC_OPTIONS
     smem_bytes = 0
     layout_check = ""
 
@@ -151,6 +151,7 @@ class Clock:
         import cupy
 
         from . import build
+        from .device import device_info
 
         self.cupy = cupy
         self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -158,7 +159,7 @@ class Clock:
         self._read = build.get_kernel(TimingKernel("read_kernel"))
         self._flush_buffer = cupy.empty(flush_bytes // 16 * 16, cupy.uint8)
         self._sink = cupy.zeros(16, cupy.uint8)
-        self._sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self._sms = device_info().sm_count
 
     def spin(self, us: float) -> None:
         self._spin((1,), (1,), (np.uint64(int(us * 1e3)),))
@@ -170,20 +171,12 @@ class Clock:
     def flush(self) -> None:
         self.read(self._flush_buffer)
 
-    def warm_up(self, step, calls: int = 3, seconds: float = bench.WARMUP_SECONDS) -> None:
-        """The first call (compile, plan, first touch) alone, then untimed calls, at least `calls`
-        of them and for at least `seconds`: the GPU's clocks settle after the idle of a compile."""
+    def warm_up(self, step, warmup: int = bench.DEFAULT_WARMUP) -> None:
+        """The first call (compile, plan, first touch) alone, then bench.run_untimed's calls."""
         with self.stream:
             step()
-        self.stream.synchronize()
-        deadline, done = time.perf_counter() + seconds, 0
-        with self.stream:
-            while done < calls or time.perf_counter() < deadline:
-                step()
-                done += 1
-                if done % 8 == 0:
-                    self.stream.synchronize()
-        self.stream.synchronize()
+            self.stream.synchronize()
+            bench.run_untimed(step, self.stream.synchronize, warmup)
 
     def time_us(self, step, repeats: int, flush: bool) -> float:
         """Median GPU time of `step` over `repeats` calls, each behind a spin (and a flush)."""
@@ -258,14 +251,15 @@ def new_record(case: DecodeCase, impl: str, layout: str = "contiguous", page_siz
 
 
 def run_sweep(cases, impls=IMPLS, layouts=LAYOUTS, page_size=DEFAULT_PAGE_SIZE, repeats=DEFAULT_REPEATS,
-              peak_tbs: float | None = None, clock: Clock | None = None) -> list[dict]:
+              peak_tbs: float | None = None, clock: Clock | None = None,
+              warmup: int = bench.DEFAULT_WARMUP) -> list[dict]:
     """Records of every case (any iterable: the CLI passes a progress bar), each case's cache made
     once for all its implementations and layouts and freed after."""
     clock = clock or Clock()
     records = []
     for case in cases:
         with clock.stream:
-            records.extend(bench_case(case, impls, layouts, page_size, repeats, clock))
+            records.extend(bench_case(case, impls, layouts, page_size, repeats, clock, warmup))
     fill_derived(records, peak_tbs)
     return records
 
@@ -281,7 +275,7 @@ def _rows(case: DecodeCase, impls, layouts, page_size) -> list[tuple]:
     return rows
 
 
-def bench_case(case: DecodeCase, impls, layouts, page_size, repeats, clock) -> list[dict]:
+def bench_case(case: DecodeCase, impls, layouts, page_size, repeats, clock, warmup=bench.DEFAULT_WARMUP) -> list[dict]:
     rows = _rows(case, impls, layouts, page_size)
     need = case.kv_bytes + MEMORY_MARGIN
     free = _free_bytes()
@@ -292,7 +286,7 @@ def bench_case(case: DecodeCase, impls, layouts, page_size, repeats, clock) -> l
         inputs = make_inputs(case)
     except Exception as exc:
         return [bench.mark_failed(new_record(case, *row), exc, "inputs: ") for row in rows]
-    records = [_bench_row(case, row, inputs, repeats, clock) for row in rows]
+    records = [_bench_row(case, row, inputs, repeats, clock, warmup) for row in rows]
     del inputs
     bench._release_cupy_memory()
     return records
@@ -341,7 +335,7 @@ def paged_view(inputs: dict, case: DecodeCase, page_size: int, seed: int = 0) ->
     return inputs["k_cache"].reshape(shape), inputs["v_cache"].reshape(shape), table
 
 
-def _bench_row(case, row, inputs, repeats, clock) -> dict:
+def _bench_row(case, row, inputs, repeats, clock, warmup=bench.DEFAULT_WARMUP) -> dict:
     import warnings
 
     impl, layout, page_size = row
@@ -350,7 +344,7 @@ def _bench_row(case, row, inputs, repeats, clock) -> dict:
         warnings.simplefilter("always")  # torch explains "no available kernel" in warnings
         try:
             step, splits = _make_step(impl, layout, page_size, case, inputs)
-            clock.warm_up(step)
+            clock.warm_up(step, warmup)
             warm, flushed = [], []
             for _ in range(TIMING_PASSES):
                 warm.append(clock.time_us(step, repeats, flush=False))
@@ -376,7 +370,7 @@ def _make_step(impl, layout, page_size, case, inputs):
 def _flashcupy_step(layout, page_size, case, inputs):
     from . import kvcache
     from .device import device_info
-    from .problem import AttentionOptions, Problem, plan_band
+    from .problem import AttentionOptions
 
     k_cache, v_cache, table = inputs["k_cache"], inputs["v_cache"], None
     if layout == "paged":
@@ -390,11 +384,8 @@ def _flashcupy_step(layout, page_size, case, inputs):
         kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
                                         check_values=False)
 
-    options = AttentionOptions()
-    problem = Problem(case.batch, 1, case.kv_len, case.nheads, case.nheads_k, case.head_dim,
-                      bench.DTYPES[case.dtype], case.head_dim ** -0.5,
-                      plan_band(False, (-1, -1), "bottom_right", 1, case.kv_len), options)
-    return step, kvcache.plan_launch(problem, 0, device_info()).splits
+    problem = kvcache.cache_problem(q, k_cache, table, AttentionOptions())
+    return step, kvcache.plan_launch(problem, 0, device_info(q.device.id)).splits
 
 
 def _sdpa_step(impl, case, inputs):

@@ -256,12 +256,15 @@ def main():
               help="The decode sweep instead: one query token per sequence over a full KV cache "
                    "(flash_attn_with_kvcache, contiguous and paged) against SDPA flash and cuDNN, GPU time warm "
                    "and with L2 flushed, K/V bytes over time against the HBM peak. Takes --head-dims (default "
-                   "128), --dtype, --peers, --repeats, --json and the options marked --decode.")
-@click.option("--batches", multiple=True, default=("1,8,32,128",), show_default=True, callback=_parse_positive_ints,
+                   "128), --dtype, --peers, --repeats, --warmup, --json and the options marked --decode.")
+@click.option("--batches", multiple=True, show_default=True,
+              default=(",".join(map(str, bench_decode.DEFAULT_BATCHES)),), callback=_parse_positive_ints,
               help="--decode: batch sizes, comma list.")
-@click.option("--kv-lens", multiple=True, default=("1k,8k,32k,128k",), show_default=True, callback=_parse_seqlens,
+@click.option("--kv-lens", multiple=True, show_default=True,
+              default=(",".join(map(bench.format_seqlen, bench_decode.DEFAULT_KV_LENS)),), callback=_parse_seqlens,
               help="--decode: keys per sequence (the cache is full), comma list.")
-@click.option("--heads", multiple=True, default=("32/8,32/32",), show_default=True, callback=_parse_heads,
+@click.option("--heads", multiple=True, show_default=True,
+              default=(",".join(f"{h}/{k}" for h, k in bench_decode.DEFAULT_HEADS),), callback=_parse_heads,
               help="--decode: query heads / kv heads, comma list.")
 @click.option("--layouts", multiple=True, default=(",".join(bench_decode.LAYOUTS),), show_default=True,
               callback=_choices(bench_decode.LAYOUTS), help="--decode: flashcupy's cache layouts, comma list.")
@@ -275,16 +278,17 @@ def bench_command(ctx, seqlens, head_dims, causal, variants, dtypes, modes, tota
     """Time flashcupy against its peers over the FA2 paper's sweep (or, with --decode, a decode sweep)."""
     given = {name for name in ctx.params
              if ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT, None)}
-    forward_only = {"seqlens", "causal", "variants", "modes", "total_tokens", "hidden", "warmup", "plot_path"}
+    forward_only = {"seqlens", "causal", "variants", "modes", "total_tokens", "hidden", "plot_path"}
     decode_only = {"batches", "kv_lens", "heads", "layouts", "page_size", "hbm_peak"}
     wrong = sorted(given & (forward_only if decode else decode_only))
     if wrong:
-        flags = ", ".join("--" + {"modes": "mode", "plot_path": "plot"}.get(n, n).replace("_", "-") for n in wrong)
+        flag = {p.name: p.opts[0] for p in ctx.command.params}
+        flags = ", ".join(flag[n] for n in wrong)
         raise click.UsageError(f"{flags} {'do' if len(wrong) > 1 else 'does'} not apply "
                                f"{'to --decode' if decode else 'without --decode'}", ctx=ctx)
     if decode:
         _bench_decode(ctx, head_dims if "head_dims" in given else (bench_decode.DEFAULT_HEAD_DIM,), dtypes,
-                      peers if "peers" in given else bench_decode.PEERS, repeats, json_path, quiet, batches,
+                      peers if "peers" in given else bench_decode.PEERS, repeats, warmup, json_path, quiet, batches,
                       kv_lens, heads, layouts, page_size, hbm_peak)
         return
     for d in head_dims:
@@ -340,7 +344,7 @@ def bench_command(ctx, seqlens, head_dims, causal, variants, dtypes, modes, tota
             click.echo(f"wrote {plot_path}", err=True)
 
 
-def _bench_decode(ctx, head_dims, dtypes, peers, repeats, json_path, quiet, batches, kv_lens, heads, layouts,
+def _bench_decode(ctx, head_dims, dtypes, peers, repeats, warmup, json_path, quiet, batches, kv_lens, heads, layouts,
                   page_size, hbm_peak):
     """`flashcupy bench --decode`."""
     for d in head_dims:
@@ -371,19 +375,18 @@ def _bench_decode(ctx, head_dims, dtypes, peers, repeats, json_path, quiet, batc
                    f"{metadata['nvrtc_version']}, commit {metadata['git_commit'] or '-'}")
         with click.progressbar(cases, label="bench --decode", file=sys.stderr,
                                item_show_func=lambda c: str(c) if c else None) as bar:
-            records = bench_decode.run_sweep(bar, impls, layouts, page_size, repeats, peak, clock)
+            records = bench_decode.run_sweep(bar, impls, layouts, page_size, repeats, peak, clock, warmup)
         click.echo(bench_decode.format_table(records, limits))
     else:
-        records = bench_decode.run_sweep(cases, impls, layouts, page_size, repeats, peak, clock)
+        records = bench_decode.run_sweep(cases, impls, layouts, page_size, repeats, peak, clock, warmup)
     metadata["torch_version"] = getattr(sys.modules.get("torch"), "__version__", None)
     _record_process_kernels(info)
     config = {"sweep": "decode", "batches": list(batches), "kv_lens": list(kv_lens),
               "heads": [list(h) for h in heads], "head_dims": list(head_dims), "dtypes": list(dtypes),
               "layouts": list(layouts), "page_size": page_size, "impls": list(impls), "repeats": repeats,
-              "spin_us": bench_decode.SPIN_US, "flush_bytes": bench_decode.FLUSH_BYTES, **limits}
+              "warmup": warmup, "spin_us": bench_decode.SPIN_US, "flush_bytes": bench_decode.FLUSH_BYTES, **limits}
     if json_path:
-        bench.write_json({"schema": bench.SCHEMA, "metadata": metadata, "config": config,
-                          "fields": bench_decode.FIELDS, "results": records}, json_path)
+        bench.write_json(bench.results_document(records, metadata, config, bench_decode.FIELDS), json_path)
         if not quiet:
             click.echo(f"wrote {json_path}", err=True)
 
