@@ -346,17 +346,6 @@ FC_DEVICE bool last_split_of(int* counter, int num_splits) {
     return s_last;
 }
 
-FC_DEVICE float warp_max(float x) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-FC_DEVICE float warp_sum(float x) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
-
 // The merge of a q block's splits (decode_ref.merge_partials), with the sink in the denominator:
 // lse = log(sum_s exp(lse_s) + exp(sink)), out = sum_s exp(lse_s - lse) out_s. It runs after the
 // other splits' blocks are done, so its latency is the kernel's tail: every load of a chunk of

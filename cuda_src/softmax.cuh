@@ -15,6 +15,17 @@ FC_DEVICE float quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
+// The same over a whole warp.
+FC_DEVICE float warp_max(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+FC_DEVICE float warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
 
 // The end of one row's softmax: m its largest score in natural units (-inf: it saw no key), sum its
 // sum of exp(s - m), sink a logit that joins the denominator (-inf: none), so that
