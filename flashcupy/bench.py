@@ -11,6 +11,7 @@ DLPack, no copy), laid out (batch, seqlen, nheads, headdim).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -262,22 +263,28 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
-def _bench_impl(impl, shape, inputs, repeats, warmup) -> dict:
-    record = new_record(shape, impl)
-    runtime = None
+@contextlib.contextmanager
+def outcome_of(record: dict):
+    """Runs one record's measurement: NotApplicable marks the record n/a, any other exception OOM
+    or err (mark_failed), with torch's first warning as a hint (it explains "no available kernel")."""
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")  # torch explains "no available kernel" in warnings
+        warnings.simplefilter("always")
         try:
-            runtime = _runtime_for(impl)
-            first_ms, ms, peak = _measure(impl, shape, inputs, runtime, repeats, warmup)
+            yield
         except NotApplicable as exc:
             record.update(status="n/a", note=str(exc))
         except Exception as exc:
-            hint = f" ({_one_line(str(caught[0].message))})" if caught else ""
-            record = _failed_record(shape, impl, exc, suffix=hint)
-        else:
-            record.update(ms=ms, tflops=_flops(shape) / (ms * 1e-3) / 1e12, first_call_ms=first_ms,
-                          peak_extra_bytes=peak)
+            mark_failed(record, exc, suffix=f" ({_one_line(str(caught[0].message))})" if caught else "")
+
+
+def _bench_impl(impl, shape, inputs, repeats, warmup) -> dict:
+    record = new_record(shape, impl)
+    runtime = None
+    with outcome_of(record):
+        runtime = _runtime_for(impl)
+        first_ms, ms, peak = _measure(impl, shape, inputs, runtime, repeats, warmup)
+        record.update(ms=ms, tflops=_flops(shape) / (ms * 1e-3) / 1e12, first_call_ms=first_ms,
+                      peak_extra_bytes=peak)
     if runtime is not None:  # the step and its buffers are gone by now: hand memory back
         runtime.release()
     return record
@@ -519,14 +526,24 @@ def naive_attention(q, k, v, causal=False, softmax_scale=None):
     return out.transpose(0, 2, 1, 3).astype(dtype, order="C")
 
 
-def _sdpa_step(impl, shape, inputs):
+def sdpa_backend(impl: str):
+    """The SDPBackend an SDPA peer forces (impl: a key of _SDPA_BACKENDS); NotApplicable where this
+    torch lacks it."""
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
     backend = getattr(SDPBackend, _SDPA_BACKENDS[impl], None)
     if backend is None:
         raise NotApplicable(f"torch {torch.__version__} has no SDPBackend.{_SDPA_BACKENDS[impl]}")
+    return backend
+
+
+def _sdpa_step(impl, shape, inputs):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    backend = sdpa_backend(impl)
     if shape.window is not None:
         raise NotApplicable("SDPA has no sliding window (only a dense attn_mask, which the flash backend rejects)")
     q, k, v, dout = (None if a is None else torch.from_dlpack(a) for a in inputs)

@@ -275,7 +275,8 @@ def _rows(case: DecodeCase, impls, layouts, page_size) -> list[tuple]:
     return rows
 
 
-def bench_case(case: DecodeCase, impls, layouts, page_size, repeats, clock, warmup=bench.DEFAULT_WARMUP) -> list[dict]:
+def bench_case(case: DecodeCase, impls, layouts, page_size, repeats, clock,
+               warmup=bench.DEFAULT_WARMUP) -> list[dict]:
     rows = _rows(case, impls, layouts, page_size)
     need = case.kv_bytes + MEMORY_MARGIN
     free = _free_bytes()
@@ -295,9 +296,9 @@ def bench_case(case: DecodeCase, impls, layouts, page_size, repeats, clock, warm
 def _free_bytes() -> int:
     import cupy
 
-    bench._release_cupy_memory()
+    bench._release_cupy_memory()  # the pool's free blocks back to the device first
     free, _ = cupy.cuda.runtime.memGetInfo()
-    return free + cupy.get_default_memory_pool().free_bytes()
+    return free
 
 
 def make_inputs(case: DecodeCase, seed: int = 0) -> dict:
@@ -336,25 +337,16 @@ def paged_view(inputs: dict, case: DecodeCase, page_size: int, seed: int = 0) ->
 
 
 def _bench_row(case, row, inputs, repeats, clock, warmup=bench.DEFAULT_WARMUP) -> dict:
-    import warnings
-
     impl, layout, page_size = row
     record = new_record(case, *row)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")  # torch explains "no available kernel" in warnings
-        try:
-            step, splits = _make_step(impl, layout, page_size, case, inputs)
-            clock.warm_up(step, warmup)
-            warm, flushed = [], []
-            for _ in range(TIMING_PASSES):
-                warm.append(clock.time_us(step, repeats, flush=False))
-                flushed.append(clock.time_us(step, repeats, flush=True))
-            record.update(warm_us=min(warm), flushed_us=min(flushed), host_us=clock.host_us(step), splits=splits)
-        except bench.NotApplicable as exc:
-            record.update(status="n/a", note=str(exc))
-        except Exception as exc:
-            hint = f" ({bench._one_line(str(caught[0].message))})" if caught else ""
-            record = bench.mark_failed(record, exc, suffix=hint)
+    with bench.outcome_of(record):
+        step, splits = _make_step(impl, layout, page_size, case, inputs)
+        clock.warm_up(step, warmup)
+        warm, flushed = [], []
+        for _ in range(TIMING_PASSES):
+            warm.append(clock.time_us(step, repeats, flush=False))
+            flushed.append(clock.time_us(step, repeats, flush=True))
+        record.update(warm_us=min(warm), flushed_us=min(flushed), host_us=clock.host_us(step), splits=splits)
     return record
 
 
@@ -397,11 +389,9 @@ def _sdpa_step(impl, case, inputs):
     import cupy
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
-    backend = getattr(SDPBackend, bench._SDPA_BACKENDS[impl], None)
-    if backend is None:
-        raise bench.NotApplicable(f"torch {torch.__version__} has no SDPBackend.{bench._SDPA_BACKENDS[impl]}")
+    backend = bench.sdpa_backend(impl)
     q, k, v = (torch.from_dlpack(inputs[n]).transpose(1, 2) for n in ("q", "k_cache", "v_cache"))
     gqa = {"enable_gqa": True} if case.nheads_k != case.nheads else {}
     stream = torch.cuda.ExternalStream(cupy.cuda.get_current_stream().ptr)
