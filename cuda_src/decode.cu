@@ -21,10 +21,13 @@
 //     keys are its split's share of the key blocks its rows see. One split writes O and the LSE;
 //     several write float32 partials, each normalized over its own keys (LSE -inf where it saw
 //     none), and the block that finishes a q block's last split merges them (merge_splits):
-//     lse = log(sum_s exp(lse_s) + exp(sink)), O = sum_s exp(lse_s - lse) O_s. (A merge kernel
+//     lse = log(sum_s exp(lse_s) + exp(sink)), O = sum_s exp(lse_s - lse) O_s; on sm90, where the
+//     GPU holds them all at once, a q block's splits run as one cluster and merge through
+//     distributed shared memory instead (flash_decode_cluster_kernel). (A merge kernel
 //     of its own measured slower on an H200: its start costs more than the count that finds the
 //     last split's block.)
 #include "ptx.cuh"
+#include "sm90.cuh"
 #include "tile.cuh"
 #include "warp_mma.cuh"
 #include "fragment.cuh"
@@ -449,6 +452,54 @@ FC_DEVICE void merge_splits(const DecodeParams& p, const Block& blk, float* s_wo
     }
 }
 
+// sm90: the merge of a q block's splits when they are the blocks of one cluster, the same math as
+// merge_splits. Each block stored its split's O and LSE in its own shared memory (s_out, s_lse);
+// after a cluster barrier, block `rank` merges items rank, rank + kCluster, .. ((row, 4 columns)
+// each) from every block's shared memory, and a second barrier keeps every block's shared memory
+// alive until the others have read it.
+template <int kHeadDim, int kThreads, int kCluster, bool Is_bf16, class Block>
+FC_DEVICE void merge_cluster(const DecodeParams& p, const Block& blk, const float* s_out, const float* s_lse, int tid) {
+    constexpr int kQuads = kHeadDim / 4;
+    constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+    cluster_sync();
+    const int rank = cluster_rank();
+    const u32 out_base = smem_u32(s_out), lse_base = smem_u32(s_lse);
+    for (int item = rank + kCluster * tid; item < blk.rows_valid * kQuads; item += kCluster * kThreads) {
+        const int r = item / kQuads, col = 4 * (item % kQuads);
+        float x[kCluster];
+        float4 o_split[kCluster];
+#pragma unroll
+        for (int s = 0; s < kCluster; ++s) {
+            x[s] = ld_cluster_f32(cluster_map(lse_base + 4 * r, s));
+            o_split[s] = ld_cluster_f32x4(cluster_map(out_base + 4 * (r * kHeadDim + col), s));
+        }
+        const float sink = p.sinks ? p.sinks[blk.head(r)] : -FC_INF;
+        float top = sink;
+#pragma unroll
+        for (int s = 0; s < kCluster; ++s) top = fmaxf(top, x[s]);
+        float lse = -FC_INF;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (top != -FC_INF) {
+            float total = fast_exp2((sink - top) * kLog2e);
+#pragma unroll
+            for (int s = 0; s < kCluster; ++s) total += fast_exp2((x[s] - top) * kLog2e);
+            lse = top + fast_log2(total) * kLn2;
+#pragma unroll
+            for (int s = 0; s < kCluster; ++s) {
+                const float w = fast_exp2((x[s] - lse) * kLog2e);
+                o.x += w * o_split[s].x;
+                o.y += w * o_split[s].y;
+                o.z += w * o_split[s].z;
+                o.w += w * o_split[s].w;
+            }
+        }
+        *reinterpret_cast<uint2*>(blk.out_row(p, r) + col) =
+            make_uint2(pack_f32x2<Is_bf16>(o.x, o.y), pack_f32x2<Is_bf16>(o.z, o.w));
+        if (col == 0) *blk.lse_at(p, r) = lse;
+    }
+    cluster_sync();
+}
+
 template <int kHeadDim_, int kNWarps_, int kStages_>
 struct DecodeTraits {
     static constexpr int kHeadDim = kHeadDim_, kNWarps = kNWarps_, kStages = kStages_;
@@ -462,15 +513,20 @@ struct DecodeTraits {
     // after the loop the ring holds each warp's O (float32 rows of kOPitch: the fragments' 8-byte
     // stores free of bank conflicts) and each warp's row max and row sum
     static constexpr int kOPitch = kHeadDim + 8;
-    static constexpr int kMergeBytes = kNWarps * kBlockM * (kOPitch + 2) * 4;
+    // and, in a cluster's blocks (flash_decode_cluster_kernel), the block's split: O [row][kHeadDim]
+    // and the LSE [row], float32, for the other blocks of the cluster to read
+    static constexpr int kMergeBytes = kNWarps * kBlockM * (kOPitch + 2) * 4 + kBlockM * (kHeadDim + 1) * 4;
     static constexpr int kRegionBytes = kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes;
     static constexpr int kSmemBytes = kQBytes + kRegionBytes;
     static_assert(kHeadDim % 32 == 0 && kStages >= 2, "head dims of 32s, two stages at least");
 };
 
-template <int kHeadDim, int kNWarps, int kStages, bool Is_causal, bool Is_local, bool Is_bf16, bool Has_score_mod>
-__global__ void __launch_bounds__(kNWarps * 32)
-flash_decode_kernel(const __grid_constant__ DecodeParams p) {
+// The body of both decode kernels: kCluster 1, the splits merged by the last split's block
+// (last_split_of, merge_splits); more, the blocks of a cluster are the splits and merge through
+// distributed shared memory (merge_cluster).
+template <int kHeadDim, int kNWarps, int kStages, int kCluster, bool Is_causal, bool Is_local, bool Is_bf16,
+          bool Has_score_mod>
+FC_DEVICE void decode_attention(const DecodeParams& p) {
     using T = DecodeTraits<kHeadDim, kNWarps, kStages>;
     constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kThreads = T::kThreads;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -592,6 +648,8 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
     }
     __syncthreads();
     const bool partial = p.num_splits > 1;
+    float* s_split_out = sStat + 2 * kNWarps * kBlockM;  // the cluster's merge reads these
+    float* s_split_lse = s_split_out + kBlockM * kHeadDim;
     constexpr int kQuads = kHeadDim / 4;
     for (int item = tid; item < blk.rows_valid * kQuads; item += kThreads) {
         const int r = item / kQuads, col = 4 * (item % kQuads);
@@ -619,7 +677,10 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
         softmax_denominator(top == -FC_INF ? -FC_INF : top * (Has_score_mod ? 1.f : p.softmax_scale), sum, sink,
                             inv, lse);
         o = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
-        if (partial) {
+        if (kCluster > 1) {
+            *reinterpret_cast<float4*>(s_split_out + r * kHeadDim + col) = o;
+            if (col == 0) s_split_lse[r] = lse;
+        } else if (partial) {
             const i64 at = blk.partial_slot(p, r);
             *reinterpret_cast<float4*>(p.out_partial + at * kHeadDim + col) = o;
             if (col == 0) p.lse_partial[at] = lse;
@@ -629,9 +690,32 @@ flash_decode_kernel(const __grid_constant__ DecodeParams p) {
             if (col == 0) *blk.lse_at(p, r) = lse;
         }
     }
-    if (partial && last_split_of(blk.split_counter(p), p.num_splits))
+    if (kCluster > 1)
+        merge_cluster<kHeadDim, kThreads, kCluster, Is_bf16>(p, blk, s_split_out, s_split_lse, tid);
+    else if (partial && last_split_of(blk.split_counter(p), p.num_splits))
         merge_splits<kHeadDim, kThreads, T::kRegionBytes / 4, kBlockM, Is_bf16>(p, blk, sO, tid);
 }
+
+template <int kHeadDim, int kNWarps, int kStages, bool Is_causal, bool Is_local, bool Is_bf16, bool Has_score_mod>
+__global__ void __launch_bounds__(kNWarps * 32)
+flash_decode_kernel(const __grid_constant__ DecodeParams p) {
+    decode_attention<kHeadDim, kNWarps, kStages, 1, Is_causal, Is_local, Is_bf16, Has_score_mod>(p);
+}
+
+// sm90: a q block's kCluster splits (p.num_splits == kCluster) as one cluster of blocks, merged
+// without the count that finds the last split's block (two dependent round trips through L2:
+// 1-1.5 us a call on an H100). kvcache.plan_launch takes it where the GPU holds every q block's
+// cluster at once (a cluster's blocks share a GPC).
+template <int kHeadDim, int kNWarps, int kStages, int kCluster, bool Is_causal, bool Is_local, bool Is_bf16,
+          bool Has_score_mod>
+#if __CUDA_ARCH__ >= 900
+__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kNWarps * 32)
+flash_decode_cluster_kernel(const __grid_constant__ DecodeParams p) {
+    decode_attention<kHeadDim, kNWarps, kStages, kCluster, Is_causal, Is_local, Is_bf16, Has_score_mod>(p);
+}
+#else
+__global__ void flash_decode_cluster_kernel(const __grid_constant__ DecodeParams p) {}  // clusters: sm90 on
+#endif
 
 template <int kHeadDim_, int kBlockN_>
 struct PrefillTraits {

@@ -231,3 +231,33 @@ struct Wgmma {
     }
 #undef FC_WGMMA_CASE
 };
+
+// ---- thread block clusters: a barrier over every thread of the cluster, and loads from another
+// block's shared memory (distributed shared memory) ------------------------------------------------
+// Every thread of every block of the cluster arrives (its earlier writes released) and waits (the
+// others' acquired).
+FC_DEVICE void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+FC_DEVICE int cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return int(r);
+}
+// The address of this block's shared-memory address `addr` in block `rank` of the cluster.
+FC_DEVICE u32 cluster_map(u32 addr, int rank) {
+    u32 r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+    return r;
+}
+FC_DEVICE float ld_cluster_f32(u32 addr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+FC_DEVICE float4 ld_cluster_f32x4(u32 addr) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+    return v;
+}

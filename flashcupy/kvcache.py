@@ -6,6 +6,9 @@ The spec is decode_ref.py.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib.util
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -36,6 +39,12 @@ DECODE_TILES_SM90 = {128: (8, 2)}
 # blocks, 128 x 1k MHA, 486 against 501).
 DECODE_TILES_SM90_SHORT = {128: ((4, 2), (2, 2))}
 SHORT_KEYS = 2048
+# Split counts whose splits may run as one cluster of blocks on Hopper (the long tile, by head dim),
+# merged through distributed shared memory rather than by the last split's block, which finds itself
+# by a count in global memory (1-1.5 us less a call on an H100). Taken only where the GPU holds
+# every q block's cluster at once: a cluster's blocks share a GPC, so an H100 holds 66 clusters of 2
+# and 15 of 8 of these one-per-SM blocks (132 and 120 SMs); beyond that the count is faster.
+DECODE_CLUSTERS_SM90 = {128: (2, 8)}
 # Registers per thread of the sm90 decode kernels that stage rows in registers (head dims up to
 # 128; ptxas: up to 236 at 128), rounded up to a warp's allocation unit of 256: they, not shared
 # memory, bound the blocks per SM.
@@ -112,6 +121,7 @@ class DecodeVariant:
     score_mod: bool
     warps: int = 0   # 0: DECODE_TILES's
     stages: int = 0
+    cluster: int = 1  # more (sm90): a q block's splits are one cluster's blocks (flash_decode_cluster_kernel)
 
     source = "decode.cu"
     nvrtc_options = NVRTC_OPTIONS
@@ -128,15 +138,18 @@ class DecodeVariant:
 
     @property
     def name_expression(self) -> str:
-        return (f"flash_decode_kernel<{self.head_dim}, {self.warps}, {self.stages}, {mask_flags(self.mask)}, "
+        kernel, cluster = ("flash_decode_kernel", "") if self.cluster == 1 else \
+            ("flash_decode_cluster_kernel", f"{self.cluster}, ")
+        return (f"{kernel}<{self.head_dim}, {self.warps}, {self.stages}, {cluster}{mask_flags(self.mask)}, "
                 f"{cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.score_mod)}>")
 
     @property
     def smem_bytes(self) -> int:
-        """Q, then the larger of the K, V ring and the warps' merge area (DecodeTraits)."""
+        """Q, then the larger of the K, V ring and the merge area: the warps' states, then the block's
+        split for a cluster's merge (DecodeTraits)."""
         row = _padded_row_bytes(self.head_dim)
         ring = self.stages * 2 * 16 * self.warps * row
-        merge = self.warps * DECODE_BLOCK_M * (self.head_dim + 8 + 2) * 4
+        merge = (self.warps * (self.head_dim + 8 + 2) + self.head_dim + 1) * DECODE_BLOCK_M * 4
         return DECODE_BLOCK_M * row + max(ring, merge)
 
     @property
@@ -145,7 +158,8 @@ class DecodeVariant:
 
     def __str__(self) -> str:
         return (f"decode d={self.head_dim} {self.dtype} mask={self.mask}" + ("+score_mod" if self.score_mod else "")
-                + f" tile={DECODE_BLOCK_M}x{16 * self.warps} stages={self.stages}")
+                + f" tile={DECODE_BLOCK_M}x{16 * self.warps} stages={self.stages}"
+                + (f" cluster={self.cluster}" if self.cluster > 1 else ""))
 
 
 @dataclass(frozen=True)
@@ -219,9 +233,33 @@ def cache_problem(q, k_cache, block_table, options: AttentionOptions) -> Problem
                          options, None, None)
 
 
-def plan_launch(problem: Problem, num_splits: int, device) -> DecodePlan:
+@functools.lru_cache(maxsize=None)
+def resident_clusters(variant, device_id: int) -> int:
+    """How many clusters of `variant` (a DecodeVariant with cluster > 1) GPU `device_id` runs at
+    once, by the driver (cuOccupancyMaxActiveClusters); 0 where it cannot say (no GPU, or no
+    cuda-bindings), which leaves the splits to the count."""
+    from .device import gpu_available
+
+    if not gpu_available() or importlib.util.find_spec("cuda") is None \
+            or importlib.util.find_spec("cuda.bindings") is None:
+        return 0
+    import cupy
+    from cuda.bindings import driver
+
+    with cupy.cuda.Device(device_id):
+        kernel = build.get_kernel(variant)
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = variant.cluster, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = variant.threads, 1, 1
+    config.sharedMemBytes = variant.smem_bytes
+    err, count = driver.cuOccupancyMaxActiveClusters(driver.CUfunction(kernel.kernel.ptr), config)
+    return count if err == driver.CUresult.CUDA_SUCCESS else 0
+
+
+def plan_launch(problem: Problem, num_splits: int, device, clusters=resident_clusters) -> DecodePlan:
     """The launch for `problem` (max_seqlen_k: the cache's capacity) with num_splits asked (0: the
-    rule, num_splits_for) on `device` (a DeviceInfo)."""
+    rule, num_splits_for) on `device` (a DeviceInfo); clusters(variant, device id): how many
+    clusters of a cluster variant the GPU runs at once (resident_clusters)."""
     o = problem.options
     pack = 1 if o.alibi_slopes is not None or o.sinks is not None else problem.nheads // problem.nheads_k
     rows = problem.max_seqlen_q * pack
@@ -239,7 +277,13 @@ def plan_launch(problem: Problem, num_splits: int, device) -> DecodePlan:
                 break
             kernel = DecodeVariant(problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod, warps,
                                    stages)
-    return DecodePlan(kernel, pack, m_blocks, min(splits, MAX_SPLITS), blocks)
+    splits = min(splits, MAX_SPLITS)
+    if device.capability == 90 and isinstance(kernel, DecodeVariant) \
+            and splits in DECODE_CLUSTERS_SM90.get(problem.head_dim, ()):
+        clustered = dataclasses.replace(kernel, cluster=splits)
+        if blocks <= clusters(clustered, device.id):  # one cluster per q block, all at once
+            kernel = clustered
+    return DecodePlan(kernel, pack, m_blocks, splits, blocks)
 
 
 @dataclass(frozen=True)
@@ -262,24 +306,28 @@ class DecodeHelper:
 
 
 HELPER_KERNELS = ("kvcache_append_kernel", "rotary_q_kernel")
-ATTENTION_KERNELS = ("flash_decode_kernel", "flash_prefill_kernel")
+ATTENTION_KERNELS = ("flash_decode_kernel", "flash_decode_cluster_kernel", "flash_prefill_kernel")
 
 
 def variants(head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"), masks=("none", "causal", "local"),
              score_mods=(False, True)) -> list:
     """Every kv-cache kernel: both attention kernels' instances (the decode kernel's Hopper tiles
-    too), then the helpers'."""
+    and clusters too), then the helpers'."""
     main = [kind(d, dt, m, mod) for kind in (DecodeVariant, PrefillVariant) for d in head_dims for dt in dtypes
             for m in masks for mod in score_mods]
     hopper = [DecodeVariant(d, dt, m, mod, *tile) for d in head_dims
               for tile in ((DECODE_TILES_SM90[d],) if d in DECODE_TILES_SM90 else ()) + short_tiles(d, 90)
               for dt in dtypes for m in masks for mod in score_mods]
-    return list(dict.fromkeys(main + hopper)) + [DecodeHelper(k, dt) for k in HELPER_KERNELS for dt in dtypes]
+    clusters = [DecodeVariant(d, dt, m, mod, *DECODE_TILES_SM90[d], cluster) for d in head_dims
+                for cluster in DECODE_CLUSTERS_SM90.get(d, ()) for dt in dtypes for m in masks for mod in score_mods]
+    return list(dict.fromkeys(main + hopper + clusters)) + [DecodeHelper(k, dt) for k in HELPER_KERNELS for dt in dtypes]
 
 
 def hopper_only(variant) -> bool:
-    """A decode kernel with Hopper's tiles (DECODE_TILES_SM90*): more shared memory than sm80-89 grant."""
-    return isinstance(variant, DecodeVariant) and (variant.warps, variant.stages) != DECODE_TILES[variant.head_dim]
+    """A decode kernel with Hopper's tiles (DECODE_TILES_SM90*: more shared memory than sm80-89
+    grant) or clusters."""
+    return isinstance(variant, DecodeVariant) and ((variant.warps, variant.stages) != DECODE_TILES[variant.head_dim]
+                                                   or variant.cluster > 1)
 
 
 def ci_cases() -> list:
@@ -458,7 +506,7 @@ def _launch(problem, q, k_cache, v_cache, k, v, seqlens, batch_idx, leftpad, blo
     plan = plan_launch(problem, num_splits, device)
     main, pack, m_blocks, splits = plan.kernel, plan.pack, plan.m_blocks, plan.splits
     q_eff = q if rotary_cos is None else cupy.empty(q.shape, q.dtype)
-    partial = splits > 1
+    partial = splits > 1 and getattr(main, "cluster", 1) == 1  # a cluster merges in shared memory
     out_partial = cupy.empty((splits, batch, nheads, seqlen_q, head_dim), cupy.float32) if partial else None
     lse_partial = cupy.empty((splits, batch, nheads, seqlen_q), cupy.float32) if partial else None
     paged = block_table is not None

@@ -18,8 +18,9 @@ FWD_KERNELS = 48 + 72
 BWD_KERNELS = 72 + 180  # sm90 (d=64, 128, 256 x 2 dtypes x 3 masks x deterministic, score mods), sm80 main + helpers
 # flash_attn_with_kvcache: decode and prefill kernels (4 head dims x 2 dtypes x 3 masks x score mods), the
 # decode kernel's Hopper tiles at d=128 (8 and 2 warps, each 2 x 3 x 2; the 4-warp short tile is the
-# default one), the append and the q rotation per dtype
-KVCACHE_KERNELS = 48 + 48 + 24 + 4
+# default one), its clusters of 2 and 8 splits at d=128 (each 2 x 3 x 2), the append and the q
+# rotation per dtype
+KVCACHE_KERNELS = 48 + 48 + 24 + 24 + 4
 ALL_KERNELS = FWD_KERNELS + BWD_KERNELS + KVCACHE_KERNELS
 
 
@@ -242,7 +243,7 @@ class FakePool:
     ([], ALL_KERNELS),
     (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 16 + 16 + 12),
     (["--dtype", "fp16", "--causal", "off", "--head-dims", "32", "--score-mod", "on"], 1 + 2 + 3 + 4),
-    (["--direction", "kvcache", "--head-dims", "128", "--dtype", "bf16"], 6 + 6 + 12 + 2),
+    (["--direction", "kvcache", "--head-dims", "128", "--dtype", "bf16"], 6 + 6 + 12 + 12 + 2),
 ])
 def test_compile_selects_variants(cache, fake_gpu, monkeypatch, args, count):
     pool = FakePool()

@@ -186,6 +186,41 @@ def test_many_short_caches_at_head_dim_128(batch, dtype_name):
              seqlens=seqlens, seqlen_new=1)
 
 
+@pytest.mark.parametrize("batch, num_splits, options", [
+    (1, 0, {}),  # the rule's 8 splits
+    (1, 8, {"causal": True}),
+    (3, 2, {"causal": True}),
+    (2, 2, {"sinks": True}),  # one head per block: 64 clusters
+    (5, 2, {"window_size": (100, 0), "softcap": 3.0}),
+])
+def test_splits_merged_in_a_cluster(batch, num_splits, options):
+    """Head dim 128 on Hopper: split counts of DECODE_CLUSTERS_SM90 merge through distributed shared
+    memory (flash_decode_cluster_kernel) where the GPU holds every cluster at once; ragged lengths
+    with a full and a short cache, an appended key."""
+    import cupy
+
+    from flashcupy import kvcache
+    from flashcupy.device import device_info
+    from flashcupy.problem import AttentionOptions, Problem, plan_band
+
+    info = device_info()
+    rng = np.random.default_rng(41 + batch)
+    sinks = cupy.asarray(rng.uniform(-1.0, 3.0, 32).astype(np.float32)) if "sinks" in options else None
+    problem = Problem(batch, 1, 1024, 32, 8, 128, "bfloat16", 128 ** -0.5,
+                      plan_band(False, (-1, -1), "bottom_right", 1, 1024), AttentionOptions(sinks=sinks))
+    plan = kvcache.plan_launch(problem, num_splits, info)
+    if info.capability == 90 and info.sm_count == 132:  # H100 SXM, H200: 66 clusters of 2, 15 of 8
+        assert plan.kernel.cluster == plan.splits > 1, plan
+    seqlens = rng.integers(0, 1024, batch)
+    seqlens[0] = 1023  # full once the new key is appended
+    if batch > 1:
+        seqlens[-1] = 16
+    if sinks is not None:
+        options = {**options, "sinks": sinks}
+    run_case(rng, batch=batch, seqlen_q=1, nheads=32, nheads_k=8, head_dim=128, capacity=1024, seqlens=seqlens,
+             seqlen_new=1, num_splits=num_splits, **options)
+
+
 @pytest.mark.parametrize("num_splits", [1, 0, 7])
 def test_graph_capture_replays(num_splits):
     """A decode step captured into a CUDA graph (device index arrays, check_values=False) and replayed

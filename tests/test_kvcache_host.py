@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from flashcupy import decode_ref, kvcache
-from flashcupy.device import DeviceInfo
+from flashcupy.device import DeviceInfo, gpu_available
 from flashcupy.reference import attention_ref
 from flashcupy.validation import ArraySpec, check_kvcache_inputs, check_kvcache_values
 
@@ -257,6 +257,8 @@ def test_kvcache_variants_name_their_kernels():
                      *[f"flash_decode_kernel<128, {w}, {st}, true, false, true, {mod}>"  # Hopper's own tiles
                        for w, st in dict.fromkeys([(h_warps, h_stages), *short]) if (w, st) != (warps, stages)
                        for mod in ("false", "true")],
+                     *[f"flash_decode_cluster_kernel<128, {h_warps}, {h_stages}, {cluster}, true, false, true, {mod}>"
+                       for cluster in kvcache.DECODE_CLUSTERS_SM90[128] for mod in ("false", "true")],
                      "kvcache_append_kernel<true>", "rotary_q_kernel<true>"]
 
 
@@ -353,5 +355,36 @@ def test_hopper_takes_the_short_tile_for_many_short_sequences():
     # 4 query rows x 16 heads per kv head: the prefill kernel, never a decode tile
     assert plan(300, 1000, hopper, nheads_k=2, seqlen_q=4) == ("prefill", 1)
     assert plan(128, 1024, ada) == (kvcache.DECODE_TILES[128], 1)
+
     assert kvcache.unsupported(256, DeviceInfo(0, "RTX 4090", 89, 128, 99 * 1024, 24 << 30)) is None
     assert "8.0" in kvcache.unsupported(128, DeviceInfo(0, "T4", 75, 40, 64 * 1024, 16 << 30))
+
+
+def test_hopper_merges_splits_in_a_cluster_where_every_cluster_fits():
+    """sm90, head dim 128: a split count of DECODE_CLUSTERS_SM90 runs as one cluster per q block
+    when the GPU holds all of them at once (the driver's count, faked here); else the count merges."""
+    from flashcupy.problem import AttentionOptions, Problem, plan_band
+
+    hopper = DeviceInfo(0, "H200", 90, 132, 227 * 1024, 141 << 30)
+    ada = DeviceInfo(0, "RTX 4090", 89, 128, 99 * 1024, 24 << 30)
+    h100 = {2: 66, 8: 15}  # what the driver reports on an H100 for these blocks
+
+    def plan(batch, capacity, device=hopper, num_splits=0, resident=lambda cluster: h100[cluster], head_dim=128):
+        problem = Problem(batch, 1, capacity, 32, 8, head_dim, "bfloat16", head_dim ** -0.5,
+                          plan_band(False, (-1, -1), "bottom_right", 1, capacity), AttentionOptions())
+        p = kvcache.plan_launch(problem, num_splits, device, lambda variant, device_id: resident(variant.cluster))
+        return p.kernel.cluster, p.splits
+
+    assert plan(1, 1024) == (8, 8)  # 8 q blocks of 8 splits: 8 clusters of 8
+    assert plan(8, 1024) == (2, 2)  # 64 clusters of 2
+    assert plan(1, 8192) == (1, 16)  # 16 splits: no cluster of 16
+    assert plan(1, 1024, resident=lambda cluster: 7) == (1, 8)  # not all at once
+    assert plan(8, 1024, resident=lambda cluster: 63) == (1, 2)
+    assert plan(1, 8192, num_splits=2) == (2, 2)  # asked for
+    assert plan(1, 8192, num_splits=3) == (1, 3)
+    assert plan(1, 1024, device=ada) == (1, 8)
+    assert plan(1, 1024, head_dim=64) == (1, 8)
+    # where the driver cannot say (no GPU), no cluster is taken
+    if not gpu_available():
+        variant = kvcache.DecodeVariant(128, "bfloat16", "none", False, *kvcache.DECODE_TILES_SM90[128], 8)
+        assert kvcache.resident_clusters(variant, 0) == 0
