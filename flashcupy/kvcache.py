@@ -30,15 +30,19 @@ DECODE_TILES = {32: (4, 8), 64: (4, 5), 128: (4, 2), 256: (2, 2)}
 # Hopper's own at 128 (H200, bf16, 32 query heads; the rows staged through registers, two stages
 # suffice): 8 warps (140 KiB, a block per SM) from 1 x 1k to 32 x 64k keys.
 DECODE_TILES_SM90 = {128: (8, 2)}
-# Its short tiles, for calls that the rule leaves unsplit and whose caches hold at most SHORT_KEYS
-# rows: of the long tile and these, the first whose SM slots hold the blocks in one wave, else the
-# last. Where the blocks outnumber a tile's slots, smaller blocks let one block's start and end
-# overlap the others' loads (H200, alternating runs: 128 blocks of 1-2k keys 22.6 and 37.7 us with 8
-# warps against 25.5 and 40.4 with 4 warps and two splits; 256 blocks 37.6 with 4 warps against
-# 41.9 with 2 warps and two splits; 1024 blocks 129.1 with 2 warps against 132.2 with 4; 4096
-# blocks, 128 x 1k MHA, 486 against 501).
-DECODE_TILES_SM90_SHORT = {128: ((4, 2), (2, 2))}
+# Its smaller tiles, for calls that the rule leaves unsplit: of the long tile and these, the first
+# whose SM slots hold the blocks in one wave (caches of at most SHORT_KEYS rows) or in LONG_WAVES
+# waves (longer caches), else the last. Where the blocks outnumber a tile's slots, smaller blocks
+# let one block's start and end overlap the others' loads. H200, alternating runs: caches of 1-2k
+# keys, 128 blocks 22.6 and 37.7 us with 8 warps against 25.5 and 40.4 with 4 warps and two splits;
+# 256 blocks 37.6 with 4 warps against 41.9 with 2 warps and two splits; 1024 blocks 129.1 with 2
+# warps against 132.2 with 4; 4096 blocks (128 x 1k MHA) 486 against 501. Caches of 8k-128k keys:
+# 256 blocks 946 and 3768 us with 8 warps against 948 and 3792 with 4; 1024 blocks 948 with 4 warps
+# against 952 with 2 and 957 with 8; 4096 blocks 3761 with 2 warps against 3780 with 4 and 3835 with
+# 8 (128 x 8k MHA), 15160-15190 against 15240-15250 and 15400 (128 x 32k MHA).
+DECODE_TILES_SM90_SMALL = {128: ((4, 2), (2, 2))}
 SHORT_KEYS = 2048
+LONG_WAVES = 4
 # Split counts whose splits may run as one cluster of blocks on Hopper (the long tile, by head dim),
 # merged through distributed shared memory rather than by the last split's block, which finds itself
 # by a count in global memory (1-1.5 us less a call on an H100). Taken only where the GPU holds
@@ -207,9 +211,9 @@ def attention_variant(rows: int, head_dim: int, dtype: str, mask: str, score_mod
     return DecodeVariant(head_dim, dtype, mask, score_mod, *tiles.get(head_dim, (0, 0)))
 
 
-def short_tiles(head_dim: int, capability: int) -> tuple:
-    """The (warps, stages) a GPU of this compute capability may take for many blocks of few keys."""
-    return DECODE_TILES_SM90_SHORT.get(head_dim, ()) if capability == 90 else ()
+def small_tiles(head_dim: int, capability: int) -> tuple:
+    """The (warps, stages) a GPU of this compute capability may take for many unsplit blocks."""
+    return DECODE_TILES_SM90_SMALL.get(head_dim, ()) if capability == 90 else ()
 
 
 @dataclass(frozen=True)
@@ -269,11 +273,12 @@ def plan_launch(problem: Problem, num_splits: int, device, clusters=resident_clu
     blocks = problem.batch * (problem.nheads // pack) * m_blocks
     splits = num_splits or num_splits_for(problem.batch, problem.nheads // pack, m_blocks, problem.max_seqlen_k,
                                           device.sm_count * blocks_per_sm(kernel, device))
-    if splits == 1 and problem.max_seqlen_k <= SHORT_KEYS and isinstance(kernel, DecodeVariant):
-        # many blocks of few keys: a smaller tile while the blocks outnumber this one's slots (they
-        # stay unsplit: a split would add waves)
-        for warps, stages in short_tiles(problem.head_dim, device.capability):
-            if blocks <= device.sm_count * blocks_per_sm(kernel, device):
+    if splits == 1 and isinstance(kernel, DecodeVariant):
+        # many blocks: a smaller tile while the blocks outnumber this one's slots `waves` times over
+        # (they stay unsplit: a split would add waves)
+        waves = 1 if problem.max_seqlen_k <= SHORT_KEYS else LONG_WAVES
+        for warps, stages in small_tiles(problem.head_dim, device.capability):
+            if blocks <= waves * device.sm_count * blocks_per_sm(kernel, device):
                 break
             kernel = DecodeVariant(problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod, warps,
                                    stages)
@@ -316,7 +321,7 @@ def variants(head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"), masks=("none",
     main = [kind(d, dt, m, mod) for kind in (DecodeVariant, PrefillVariant) for d in head_dims for dt in dtypes
             for m in masks for mod in score_mods]
     hopper = [DecodeVariant(d, dt, m, mod, *tile) for d in head_dims
-              for tile in ((DECODE_TILES_SM90[d],) if d in DECODE_TILES_SM90 else ()) + short_tiles(d, 90)
+              for tile in ((DECODE_TILES_SM90[d],) if d in DECODE_TILES_SM90 else ()) + small_tiles(d, 90)
               for dt in dtypes for m in masks for mod in score_mods]
     clusters = [DecodeVariant(d, dt, m, mod, *DECODE_TILES_SM90[d], cluster) for d in head_dims
                 for cluster in DECODE_CLUSTERS_SM90.get(d, ()) for dt in dtypes for m in masks for mod in score_mods]

@@ -163,27 +163,27 @@ def test_many_sequences_beyond_the_sm_count():
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("batch", [100, 300])
-def test_many_short_caches_at_head_dim_128(batch, dtype_name):
-    """Many blocks of at most SHORT_KEYS keys: on Hopper the short tiles (DECODE_TILES_SM90_SHORT),
-    4 warps for 100 sequences x 2 kv heads, 2 warps for 300; ragged lengths in every position."""
+@pytest.mark.parametrize("batch, capacity, tile", [(100, 1000, 0), (300, 1000, 1), (300, 2100, 0), (600, 2100, 1)])
+def test_many_caches_at_head_dim_128(batch, capacity, tile, dtype_name):
+    """Many unsplit blocks: on Hopper the small tiles (DECODE_TILES_SM90_SMALL, `tile` indexes
+    them), 4 warps for 100 sequences x 2 kv heads of short caches, 2 warps for 300; past SHORT_KEYS
+    4 warps for 300, 2 warps for 600 (past LONG_WAVES waves); ragged lengths in every position."""
     from flashcupy import kvcache
     from flashcupy.device import device_info
     from flashcupy.problem import AttentionOptions, Problem, plan_band
 
     info = device_info()
     if info.capability == 90 and 100 <= info.sm_count <= 150:  # H100 PCIe / SXM, H200
-        problem = Problem(batch, 1, 1000, 8, 2, 128, dtype_name, 128 ** -0.5,
-                          plan_band(False, (-1, -1), "bottom_right", 1, 1000), AttentionOptions())
+        problem = Problem(batch, 1, capacity, 8, 2, 128, dtype_name, 128 ** -0.5,
+                          plan_band(False, (-1, -1), "bottom_right", 1, capacity), AttentionOptions())
         plan = kvcache.plan_launch(problem, 0, info)
-        four, two = kvcache.DECODE_TILES_SM90_SHORT[128]
-        assert ((plan.kernel.warps, plan.kernel.stages), plan.splits) == (four if batch == 100 else two, 1)
-    rng = np.random.default_rng(29 + batch)
-    seqlens = rng.integers(0, 1000, batch)
-    seqlens[:6] = [1, 17, 127, 129, 0, 999]
+        assert ((plan.kernel.warps, plan.kernel.stages), plan.splits) == (kvcache.DECODE_TILES_SM90_SMALL[128][tile], 1)
+    rng = np.random.default_rng(29 + batch + capacity)
+    seqlens = rng.integers(0, capacity, batch)
+    seqlens[:6] = [1, 17, 127, 129, 0, capacity - 1]
     seqlens[-3:] = [129, 1, 17]
-    run_case(rng, batch=batch, seqlen_q=1, nheads=8, nheads_k=2, head_dim=128, dtype_name=dtype_name, capacity=1000,
-             seqlens=seqlens, seqlen_new=1)
+    run_case(rng, batch=batch, seqlen_q=1, nheads=8, nheads_k=2, head_dim=128, dtype_name=dtype_name,
+             capacity=capacity, seqlens=seqlens, seqlen_new=1)
 
 
 @pytest.mark.parametrize("batch, num_splits, options", [

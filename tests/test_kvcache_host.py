@@ -170,7 +170,7 @@ def test_blocks_per_sm():
                 assert ((n + 1) * (v.smem_bytes + 1024) > device.smem_per_block_optin + 1024
                         or (n + 1) * v.threads > threads or (n + 1) * registers * v.threads > 65536)
     four, two = (kvcache.DecodeVariant(128, "bfloat16", "none", False, *tile)
-                 for tile in kvcache.DECODE_TILES_SM90_SHORT[128])
+                 for tile in kvcache.DECODE_TILES_SM90_SMALL[128])
     assert kvcache.blocks_per_sm(four, hopper) == 2  # by registers; shared memory would allow 3
     assert kvcache.blocks_per_sm(two, hopper) == 4
 
@@ -249,7 +249,7 @@ def test_kvcache_variants_name_their_kernels():
     names = [v.name_expression for v in kvcache.variants(head_dims=(128,), dtypes=("bfloat16",), masks=("causal",))]
     warps, stages = kvcache.DECODE_TILES[128]
     h_warps, h_stages = kvcache.DECODE_TILES_SM90[128]
-    short = kvcache.DECODE_TILES_SM90_SHORT[128]
+    short = kvcache.DECODE_TILES_SM90_SMALL[128]
     assert names == [f"flash_decode_kernel<128, {warps}, {stages}, true, false, true, false>",
                      f"flash_decode_kernel<128, {warps}, {stages}, true, false, true, true>",
                      "flash_prefill_kernel<128, 64, true, false, true, false>",  # block_n 64
@@ -314,13 +314,14 @@ def test_decode_tiles_fit_every_gpu_that_runs_them():
         assert (ampere.warps, ampere.stages) == kvcache.DECODE_TILES[d]
         assert (hopper.warps, hopper.stages) == kvcache.DECODE_TILES_SM90.get(d, kvcache.DECODE_TILES[d])
         assert not kvcache.hopper_only(ampere)
-        assert kvcache.short_tiles(d, 90) == kvcache.DECODE_TILES_SM90_SHORT.get(d, ())
-        assert kvcache.short_tiles(d, 86) == ()
+        assert kvcache.small_tiles(d, 90) == kvcache.DECODE_TILES_SM90_SMALL.get(d, ())
+        assert kvcache.small_tiles(d, 86) == ()
 
 
-def test_hopper_takes_the_short_tile_for_many_short_sequences():
-    """On sm90 at head dim 128: few blocks (splits) or long caches take DECODE_TILES_SM90, many
-    blocks of at most SHORT_KEYS keys DECODE_TILES_SM90_SHORT; other GPUs DECODE_TILES."""
+def test_hopper_takes_the_small_tiles_for_many_unsplit_blocks():
+    """On sm90 at head dim 128: few blocks (splits) take DECODE_TILES_SM90, many unsplit blocks
+    DECODE_TILES_SM90_SMALL (past one wave of slots for caches of at most SHORT_KEYS keys, past
+    LONG_WAVES waves for longer ones); other GPUs DECODE_TILES."""
     from flashcupy.problem import AttentionOptions, Problem, plan_band
 
     hopper = DeviceInfo(0, "H200", 90, 132, 227 * 1024, 141 << 30)
@@ -335,11 +336,18 @@ def test_hopper_takes_the_short_tile_for_many_short_sequences():
         return (p.kernel.warps, p.kernel.stages), p.splits
 
     long = kvcache.DECODE_TILES_SM90[128]
-    four, two = kvcache.DECODE_TILES_SM90_SHORT[128]
+    four, two = kvcache.DECODE_TILES_SM90_SMALL[128]
     assert plan(1, 8192, hopper) == (long, 16)
     assert plan(8, 1024, hopper) == (long, 2)  # 64 blocks: split, latency-bound
-    assert plan(32, 65536, hopper) == (long, 1)
-    assert plan(128, 4096, hopper) == (long, 1)  # past SHORT_KEYS
+    # past SHORT_KEYS: the long tile while 4 waves of its 132 slots hold the blocks, the 4-warp
+    # tile while 4 waves of its 264 do, then the 2-warp tile
+    assert plan(32, 65536, hopper) == (long, 1)  # 256 blocks
+    assert plan(66, 4096, hopper) == (long, 1)  # 528 blocks
+    assert plan(67, 4096, hopper) == (four, 1)
+    assert plan(128, 4096, hopper) == (four, 1)  # 1024 blocks
+    assert plan(132, 8192, hopper) == (four, 1)  # 1056 blocks
+    assert plan(133, 8192, hopper) == (two, 1)
+    assert plan(128, 8192, hopper, nheads_k=32) == (two, 1)  # 4096 blocks
     # unsplit, at most SHORT_KEYS keys: the long tile while its 132 slots hold the blocks, the
     # 4-warp tile while its 264 do, then the 2-warp tile; never split
     assert plan(16, 2048, hopper) == (long, 1)  # 128 blocks
