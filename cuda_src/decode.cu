@@ -1,5 +1,6 @@
 // Attention over a KV cache (flashcupy/kvcache.py): the new keys appended in place (rotary applied),
-// then split-KV flash decoding, the splits merged by their LSEs. sm80 instructions; runs on sm80+.
+// then split-KV flash decoding, the splits merged by their LSEs. sm80 instructions, runs on sm80+;
+// on sm90 the staged loads and the cluster merge (sm90.cuh's cluster wrappers) besides.
 // The spec is flashcupy/decode_ref.py.
 //
 // kvcache_append_kernel: new key i of sequence b to cache row cache_seqlens[b] + i (paged: through
@@ -677,7 +678,7 @@ FC_DEVICE void decode_attention(const DecodeParams& p) {
         softmax_denominator(top == -FC_INF ? -FC_INF : top * (Has_score_mod ? 1.f : p.softmax_scale), sum, sink,
                             inv, lse);
         o = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
-        if (kCluster > 1) {
+        if constexpr (kCluster > 1) {
             *reinterpret_cast<float4*>(s_split_out + r * kHeadDim + col) = o;
             if (col == 0) s_split_lse[r] = lse;
         } else if (partial) {
@@ -690,7 +691,7 @@ FC_DEVICE void decode_attention(const DecodeParams& p) {
             if (col == 0) *blk.lse_at(p, r) = lse;
         }
     }
-    if (kCluster > 1)
+    if constexpr (kCluster > 1)
         merge_cluster<kHeadDim, kThreads, kCluster, Is_bf16>(p, blk, s_split_out, s_split_lse, tid);
     else if (partial && last_split_of(blk.split_counter(p), p.num_splits))
         merge_splits<kHeadDim, kThreads, T::kRegionBytes / 4, kBlockM, Is_bf16>(p, blk, sO, tid);

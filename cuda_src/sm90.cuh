@@ -1,6 +1,7 @@
 // Hopper (sm_90a) instructions of the sm90 kernel families, as thin PTX wrappers: mbarriers, TMA
-// bulk tensor loads, warpgroup matrix multiply-accumulate (wgmma) and register reallocation.
-// Like ptx.cuh, no CUDA header: NVRTC alone builds them (with -arch=sm_90a).
+// bulk tensor loads, warpgroup matrix multiply-accumulate (wgmma), register reallocation and thread
+// block clusters. Like ptx.cuh, no CUDA header: NVRTC alone builds them (with -arch=sm_90a; the
+// decode kernels include them in sm_80 builds too, where only sm90 instances call them).
 #pragma once
 #include "ptx.cuh"
 

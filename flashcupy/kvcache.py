@@ -118,7 +118,8 @@ def _padded_row_bytes(head_dim: int) -> int:
 
 @dataclass(frozen=True)
 class DecodeVariant:
-    """flash_decode_kernel: warps x 16 keys per step, a ring of `stages` steps (DECODE_TILES)."""
+    """flash_decode_kernel: warps x 16 keys per step, a ring of `stages` steps (DECODE_TILES); with
+    cluster > 1, flash_decode_cluster_kernel (a q block's splits as one cluster)."""
     head_dim: int
     dtype: str
     mask: str  # one of configs.MASKS
@@ -178,6 +179,7 @@ class PrefillVariant:
     nvrtc_options = NVRTC_OPTIONS
     block_m = PREFILL_BLOCK_M
     threads = 128
+    cluster = 1  # its splits merge by the count
 
     @property
     def block_n(self) -> int:
@@ -204,7 +206,7 @@ class PrefillVariant:
 
 def attention_variant(rows: int, head_dim: int, dtype: str, mask: str, score_mod: bool, capability: int = 80):
     """The kernel for `rows` packed query rows per (sequence, kv head group) on a GPU of this
-    compute capability (before plan_launch's choice of a short tile)."""
+    compute capability (before plan_launch's choice of a small tile or a cluster)."""
     if rows > DECODE_MAX_ROWS:
         return PrefillVariant(head_dim, dtype, mask, score_mod)
     tiles = DECODE_TILES_SM90 if capability == 90 else {}
@@ -240,23 +242,27 @@ def cache_problem(q, k_cache, block_table, options: AttentionOptions) -> Problem
 @functools.lru_cache(maxsize=None)
 def resident_clusters(variant, device_id: int) -> int:
     """How many clusters of `variant` (a DecodeVariant with cluster > 1) GPU `device_id` runs at
-    once, by the driver (cuOccupancyMaxActiveClusters); 0 where it cannot say (no GPU, or no
-    cuda-bindings), which leaves the splits to the count."""
+    once, by the driver (cuOccupancyMaxActiveClusters); 0 where it cannot say (no GPU, no
+    cuda-bindings, or bindings the driver refuses), which leaves the splits to the count."""
     from .device import gpu_available
 
     if not gpu_available() or importlib.util.find_spec("cuda") is None \
             or importlib.util.find_spec("cuda.bindings") is None:
         return 0
     import cupy
-    from cuda.bindings import driver
 
     with cupy.cuda.Device(device_id):
         kernel = build.get_kernel(variant)
-    config = driver.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = variant.cluster, 1, 1
-    config.blockDimX, config.blockDimY, config.blockDimZ = variant.threads, 1, 1
-    config.sharedMemBytes = variant.smem_bytes
-    err, count = driver.cuOccupancyMaxActiveClusters(driver.CUfunction(kernel.kernel.ptr), config)
+        try:
+            from cuda.bindings import driver
+
+            config = driver.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = variant.cluster, 1, 1
+            config.blockDimX, config.blockDimY, config.blockDimZ = variant.threads, 1, 1
+            config.sharedMemBytes = variant.smem_bytes
+            err, count = driver.cuOccupancyMaxActiveClusters(driver.CUfunction(kernel.kernel.ptr), config)
+        except (ImportError, RuntimeError):  # bindings built for another driver
+            return 0
     return count if err == driver.CUresult.CUDA_SUCCESS else 0
 
 
@@ -286,7 +292,9 @@ def plan_launch(problem: Problem, num_splits: int, device, clusters=resident_clu
     if device.capability == 90 and isinstance(kernel, DecodeVariant) \
             and splits in DECODE_CLUSTERS_SM90.get(problem.head_dim, ()):
         clustered = dataclasses.replace(kernel, cluster=splits)
-        if blocks <= clusters(clustered, device.id):  # one cluster per q block, all at once
+        # one cluster per q block, all at once (the first test spares the driver's, and a compile)
+        if blocks * splits <= device.sm_count * blocks_per_sm(kernel, device) \
+                and blocks <= clusters(clustered, device.id):
             kernel = clustered
     return DecodePlan(kernel, pack, m_blocks, splits, blocks)
 
@@ -511,7 +519,7 @@ def _launch(problem, q, k_cache, v_cache, k, v, seqlens, batch_idx, leftpad, blo
     plan = plan_launch(problem, num_splits, device)
     main, pack, m_blocks, splits = plan.kernel, plan.pack, plan.m_blocks, plan.splits
     q_eff = q if rotary_cos is None else cupy.empty(q.shape, q.dtype)
-    partial = splits > 1 and getattr(main, "cluster", 1) == 1  # a cluster merges in shared memory
+    partial = splits > 1 and main.cluster == 1  # a cluster merges in shared memory
     out_partial = cupy.empty((splits, batch, nheads, seqlen_q, head_dim), cupy.float32) if partial else None
     lse_partial = cupy.empty((splits, batch, nheads, seqlen_q), cupy.float32) if partial else None
     paged = block_table is not None

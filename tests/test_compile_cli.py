@@ -17,7 +17,7 @@ from cli_helpers import FAKE_GPU, invoke, on_gpu
 FWD_KERNELS = 48 + 72
 BWD_KERNELS = 72 + 180  # sm90 (d=64, 128, 256 x 2 dtypes x 3 masks x deterministic, score mods), sm80 main + helpers
 # flash_attn_with_kvcache: decode and prefill kernels (4 head dims x 2 dtypes x 3 masks x score mods), the
-# decode kernel's Hopper tiles at d=128 (8 and 2 warps, each 2 x 3 x 2; the 4-warp short tile is the
+# decode kernel's Hopper tiles at d=128 (8 and 2 warps, each 2 x 3 x 2; the 4-warp small tile is the
 # default one), its clusters of 2 and 8 splits at d=128 (each 2 x 3 x 2), the append and the q
 # rotation per dtype
 KVCACHE_KERNELS = 48 + 48 + 24 + 24 + 4

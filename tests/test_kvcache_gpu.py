@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -173,7 +175,7 @@ def test_many_caches_at_head_dim_128(batch, capacity, tile, dtype_name):
     from flashcupy.problem import AttentionOptions, Problem, plan_band
 
     info = device_info()
-    if info.capability == 90 and 100 <= info.sm_count <= 150:  # H100 PCIe / SXM, H200
+    if info.capability == 90 and 100 <= info.sm_count < 150:  # H100 PCIe / SXM, H200
         problem = Problem(batch, 1, capacity, 8, 2, 128, dtype_name, 128 ** -0.5,
                           plan_band(False, (-1, -1), "bottom_right", 1, capacity), AttentionOptions())
         plan = kvcache.plan_launch(problem, 0, info)
@@ -204,12 +206,20 @@ def test_splits_merged_in_a_cluster(batch, num_splits, options):
     from flashcupy.problem import AttentionOptions, Problem, plan_band
 
     info = device_info()
+    if info.capability != 90:
+        pytest.skip("thread block clusters: the Hopper decode kernel only")
     rng = np.random.default_rng(41 + batch)
     sinks = cupy.asarray(rng.uniform(-1.0, 3.0, 32).astype(np.float32)) if "sinks" in options else None
+    causal, window = options.get("causal", False), options.get("window_size", (-1, -1))
     problem = Problem(batch, 1, 1024, 32, 8, 128, "bfloat16", 128 ** -0.5,
-                      plan_band(False, (-1, -1), "bottom_right", 1, 1024), AttentionOptions(sinks=sinks))
+                      plan_band(causal, window, "bottom_right", 1, 1024),
+                      AttentionOptions(causal=causal, window_size=window, softcap=options.get("softcap", 0.0),
+                                       sinks=sinks))
     plan = kvcache.plan_launch(problem, num_splits, info)
-    if info.capability == 90 and info.sm_count == 132:  # H100 SXM, H200: 66 clusters of 2, 15 of 8
+    clustered = dataclasses.replace(plan.kernel, cluster=plan.splits)
+    fits = plan.blocks <= kvcache.resident_clusters(clustered, info.id)
+    assert plan.kernel.cluster == (plan.splits if fits else 1), plan
+    if info.sm_count == 132:  # H100 SXM, H200: 66 clusters of 2 and 15 of 8 fit
         assert plan.kernel.cluster == plan.splits > 1, plan
     seqlens = rng.integers(0, 1024, batch)
     seqlens[0] = 1023  # full once the new key is appended

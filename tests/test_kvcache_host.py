@@ -396,3 +396,17 @@ def test_hopper_merges_splits_in_a_cluster_where_every_cluster_fits():
     if not gpu_available():
         variant = kvcache.DecodeVariant(128, "bfloat16", "none", False, *kvcache.DECODE_TILES_SM90[128], 8)
         assert kvcache.resident_clusters(variant, 0) == 0
+
+
+def test_resident_clusters_without_cuda_bindings(monkeypatch):
+    """A GPU but no cuda-bindings: the driver's count cannot be asked, so no cluster is taken."""
+    import importlib.util
+
+    from flashcupy import device
+
+    monkeypatch.setattr(device, "gpu_available", lambda: True)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.split(".")[0] == "cuda" else real(name, *a))
+    variant = kvcache.DecodeVariant(128, "bfloat16", "none", False, *kvcache.DECODE_TILES_SM90[128], 2)
+    assert kvcache.resident_clusters.__wrapped__(variant, 0) == 0

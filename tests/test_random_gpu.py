@@ -164,7 +164,7 @@ def test_random_kvcache(seed):
     nheads, nheads_k = _heads(rng)
     head_dim = int(rng.choice([32, 64, 128, 256]))
     capacity = int(rng.choice([33, 128, 300, 700]))
-    seqlen_new = int(rng.choice([0, 0, 1, 3])) if capacity > 8 else 0
+    seqlen_new = int(rng.choice([0, 0, 1, 3]))
     seqlen_q = int(rng.choice([1, 1, 2, 5, 40]))
     seqlens = rng.integers(0, capacity - seqlen_new + 1, batch)
     seqlens[rng.integers(batch)] = capacity - seqlen_new  # one cache full
@@ -177,4 +177,4 @@ def test_random_kvcache(seed):
     run_case(rng, batch=batch, seqlen_q=seqlen_q, nheads=nheads, nheads_k=nheads_k, head_dim=head_dim,
              dtype_name=str(rng.choice(["float16", "bfloat16"])), capacity=capacity, seqlens=seqlens,
              seqlen_new=seqlen_new, page_size=page_size, rotary_dim=rotary_dim,
-             interleaved=bool(rng.random() < 0.5), num_splits=int(rng.choice([0, 0, 1, 3, 64])), **options)
+             interleaved=bool(rng.random() < 0.5), num_splits=int(rng.choice([0, 0, 1, 2, 3, 8, 64])), **options)
