@@ -461,7 +461,7 @@ FC_DEVICE void merge_splits(const DecodeParams& p, const Block& blk, float* s_wo
 template <int kHeadDim, int kThreads, int kCluster, bool Is_bf16, class Block>
 FC_DEVICE void merge_cluster(const DecodeParams& p, const Block& blk, const float* s_out, const float* s_lse, int tid) {
     constexpr int kQuads = kHeadDim / 4;
-    constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+    constexpr float kLog2e = 1.4426950408889634f;
     cluster_sync();
     const int rank = cluster_rank();
     const u32 out_base = smem_u32(s_out), lse_base = smem_u32(s_lse);
@@ -474,17 +474,17 @@ FC_DEVICE void merge_cluster(const DecodeParams& p, const Block& blk, const floa
             x[s] = ld_cluster_f32(cluster_map(lse_base + 4 * r, s));
             o_split[s] = ld_cluster_f32x4(cluster_map(out_base + 4 * (r * kHeadDim + col), s));
         }
-        const float sink = p.sinks ? p.sinks[blk.head(r)] : -FC_INF;
-        float top = sink;
+        // the splits' LSEs as one row's scores: their max, the sum of exp(lse_s - max), the sink
+        float top = -FC_INF, sum = 0.f, inv, lse;
 #pragma unroll
         for (int s = 0; s < kCluster; ++s) top = fmaxf(top, x[s]);
-        float lse = -FC_INF;
-        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
         if (top != -FC_INF) {
-            float total = fast_exp2((sink - top) * kLog2e);
 #pragma unroll
-            for (int s = 0; s < kCluster; ++s) total += fast_exp2((x[s] - top) * kLog2e);
-            lse = top + fast_log2(total) * kLn2;
+            for (int s = 0; s < kCluster; ++s) sum += fast_exp2((x[s] - top) * kLog2e);
+        }
+        softmax_denominator(top, sum, p.sinks ? p.sinks[blk.head(r)] : -FC_INF, inv, lse);
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (lse != -FC_INF) {
 #pragma unroll
             for (int s = 0; s < kCluster; ++s) {
                 const float w = fast_exp2((x[s] - lse) * kLog2e);

@@ -286,8 +286,7 @@ def plan_launch(problem: Problem, num_splits: int, device, clusters=resident_clu
         for warps, stages in small_tiles(problem.head_dim, device.capability):
             if blocks <= waves * device.sm_count * blocks_per_sm(kernel, device):
                 break
-            kernel = DecodeVariant(problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod, warps,
-                                   stages)
+            kernel = dataclasses.replace(kernel, warps=warps, stages=stages)
     splits = min(splits, MAX_SPLITS)
     if device.capability == 90 and isinstance(kernel, DecodeVariant) \
             and splits in DECODE_CLUSTERS_SM90.get(problem.head_dim, ()):
