@@ -43,6 +43,7 @@
 #include "seqlens.cuh"
 #include "warp_mma.cuh"
 #include "params.cuh"
+#include "grid.cuh"
 
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -146,10 +147,12 @@ struct Sm90ScoreModProbs {
 // The kernel's one parameter: BwdParams and the tensor maps of q, k, v, dout and dq_accum.
 struct Sm90BwdArgs {
     BwdParams p;
+    int section_heads;  // (head, batch) pairs whose key blocks interleave in the block order
     TmaDesc q, k, v, dout, dq_accum;
 };
-static_assert(sizeof(BwdParams) <= 512 && sizeof(Sm90BwdArgs) == 512 + 5 * 128,
-              "flashcupy/sm90_bwd.py lays the tensor maps at bytes 512, 640, 768, 896 and 1024");
+// section_heads follows BwdParams directly (its size is a multiple of its 8-byte alignment).
+static_assert(sizeof(BwdParams) + 4 <= 512 && sizeof(Sm90BwdArgs) == 512 + 5 * 128,
+              "flashcupy/sm90_bwd.py lays section_heads after BwdParams, the tensor maps at 512, 640, 768, 896 and 1024");
 
 // What the producer and the consumers of a thread block share: its key block and (head, batch), the
 // sequence's lengths, the q blocks that see the key block, its shared memory and mbarriers.
@@ -723,11 +726,16 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
     }
     __syncthreads();
 
-    // Block (key block, head, batch), key blocks of a head adjacent; the last key block first where
-    // the deterministic mode adds a q block's tiles from its last key block down (bwd_producer).
+    // Block (key block, head, batch) in sections of section_heads (head, batch) pairs whose Q, dO
+    // and dQ fit in L2 together (grid.cuh): under a causal mask a pair's first key blocks see the
+    // most queries, and every pair of a section starts its heaviest blocks before the light ones
+    // fill the tail; one pair per section (no mask) keeps a head's key blocks adjacent. The last
+    // key block first where the deterministic mode adds a q block's tiles from its last key block
+    // down (bwd_producer).
     constexpr bool kLastKeysFirst = Is_deterministic && (Is_causal || Is_local);
-    const int num_n_blocks = (p.max_seqlen_k + kBlockN - 1) / kBlockN;
-    const int n_index = blockIdx.x % num_n_blocks, hb = blockIdx.x / num_n_blocks;
+    const int num_n_blocks = (p.max_seqlen_k + T::kBlockN - 1) / T::kBlockN;
+    int n_index, hb;
+    section_coords(blockIdx.x, num_n_blocks, p.nheads * p.batch, args.section_heads, n_index, hb);
     const int n_block = kLastKeysFirst ? num_n_blocks - 1 - n_index : n_index;
     const int head = hb % p.nheads, batch = hb / p.nheads;
     const SeqLens seq(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.max_seqlen_q, p.max_seqlen_k);

@@ -38,6 +38,7 @@
 #include "seqlens.cuh"
 #include "score_mod.cuh"
 #include "params.cuh"
+#include "grid.cuh"
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
 struct Sm90FwdTraits {
@@ -149,10 +150,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
         // after the other; inside a section the q blocks go row by row across its pairs, the
         // bottom row first for causal and local (their heaviest blocks: longest work first). One
         // pair per section (unmasked problems) walks a head's q blocks in order.
-        const int num_hb = p.nheads * p.batch, section_tiles = args.section_heads * num_m_blocks;
-        const int section = index / section_tiles, in_section = index % section_tiles;
-        const int width = min(args.section_heads, num_hb - section * args.section_heads);  // the last may be narrower
-        const int m_in = in_section / width, hb = section * args.section_heads + in_section % width;
+        int m_in, hb;
+        section_coords(index, num_m_blocks, p.nheads * p.batch, args.section_heads, m_in, hb);
         const int m_block = (Is_causal || Is_local) ? num_m_blocks - 1 - m_in : m_in;
         const int head = hb % p.nheads, batch = hb / p.nheads;
         const SeqLens seq(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.max_seqlen_q, p.max_seqlen_k);

@@ -23,3 +23,16 @@ FC_DEVICE void block_coords(int block, int num_tiles, int nheads, int& tile, int
     head = hb % nheads;
     batch = hb / nheads;
 }
+
+// Which tile and (head, batch) pair the work item `index` is, where the pairs go in sections of
+// section_pairs, one section after the other, and inside a section the tiles go in rows across its
+// pairs (every pair's first tile, then every pair's second, ...; the last section may be
+// narrower). One pair per section: each pair's tiles in order, the pairs one after the other. The
+// Hopper kernels take sections of pairs whose operands fit in L2 together (flashcupy/sm90_fwd.py).
+FC_DEVICE void section_coords(int index, int num_tiles, int pairs, int section_pairs, int& tile, int& pair) {
+    const int section_tiles = section_pairs * num_tiles;
+    const int section = index / section_tiles, in_section = index % section_tiles;
+    const int width = min(section_pairs, pairs - section * section_pairs);
+    tile = in_section / width;
+    pair = section * section_pairs + in_section % width;
+}

@@ -1,5 +1,5 @@
 """Launch geometry shared by the kernel families: the plan of one launch, the grid limit, and the
-block order of cuda_src/grid.cuh mirrored for tests."""
+block orders of cuda_src/grid.cuh mirrored for tests."""
 
 from __future__ import annotations
 
@@ -35,3 +35,13 @@ def block_coords(block: int, num_blocks: int, num_tiles: int, nheads: int, tiles
     if reverse_tiles:
         tile = num_tiles - 1 - tile
     return tile, hb % nheads, hb // nheads
+
+
+def section_coords(index: int, num_tiles: int, pairs: int, section_pairs: int) -> tuple:
+    """(tile, pair) of work item `index`, decoded as section_coords in cuda_src/grid.cuh: the
+    (head, batch) pairs in sections of `section_pairs`, inside a section the tiles in rows across
+    its pairs."""
+    section_tiles = section_pairs * num_tiles
+    section, in_section = divmod(index, section_tiles)
+    width = min(section_pairs, pairs - section * section_pairs)
+    return in_section // width, section * section_pairs + in_section % width

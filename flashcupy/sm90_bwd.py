@@ -9,6 +9,7 @@ in key-block order, behind a semaphore); `unsupported` says why it leaves other 
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,7 @@ import numpy as np
 from . import build, sm80
 from .configs import cpp_bool, mask_flags
 from .launch import LaunchPlan, grid_blocks
-from .sm90_fwd import ARCH, NVRTC_OPTIONS, HopperFamily, args_with_maps, hopper_unsupported, tensor_map_of
+from .sm90_fwd import ARCH, NVRTC_OPTIONS, HopperFamily, args_with_maps, hopper_unsupported, pairs_in_l2, tensor_map_of
 
 HEAD_DIMS = (64, 128, 256)
 # Keys per thread block: 128 (64 per consumer warpgroup, on the wgmma's M) up to head dim 128; 48 at
@@ -92,9 +93,22 @@ def variant(head_dim: int, dtype: str, mask: str, deterministic: bool = False,
     return Sm90BwdVariant(head_dim, mask, dtype, block, STAGES[head_dim, block], bool(deterministic), bool(score_mod))
 
 
-def pack_args(bwd_record: bytes, maps) -> np.void:
-    """Sm90BwdArgs: the BwdParams record, then the q, k, v, dout, dq_accum tensor maps."""
-    return args_with_maps(bwd_record, ARGS_TMA_OFFSET, maps)
+def pack_args(bwd_record: bytes, section_heads: int, maps) -> np.void:
+    """Sm90BwdArgs: the BwdParams record, the block order's section width, then the q, k, v, dout,
+    dq_accum tensor maps."""
+    return args_with_maps(bwd_record + struct.pack("<i", int(section_heads)), ARGS_TMA_OFFSET, maps)
+
+
+def section_heads(problem, mask: str, deterministic: bool) -> int:
+    """How many (head, batch) pairs' key blocks the block order interleaves (bwd_sm90.cu): under a
+    causal or local mask, as many as have Q, dO, dQ's float32 accumulator, LSE and D in L2 together,
+    so that every pair's heaviest key blocks start before the light ones fill the tail; 1 without a
+    mask (equal blocks, a head's adjacent) and in the deterministic mode (whose semaphore order the
+    launch order follows)."""
+    if mask == "none" or deterministic:
+        return 1
+    row_bytes = problem.head_dim * (2 + 2 + 4) + 8
+    return pairs_in_l2(max(1, problem.max_seqlen_q) * row_bytes, problem.nheads * problem.batch)
 
 
 class Sm90Backward(HopperFamily):
@@ -125,7 +139,8 @@ class Sm90Backward(HopperFamily):
                 tensor_map_of(v, problem.dtype, var.block_n), tensor_map_of(dout, problem.dtype, var.block_m))
 
         def main(args, plans, dq_accum):
-            kernel_args = pack_args(args[0].tobytes(), maps + (tensor_map_of(dq_accum, "float32", DQ_ROWS),))
+            kernel_args = pack_args(args[0].tobytes(), section_heads(problem, var.mask, var.deterministic),
+                                    maps + (tensor_map_of(dq_accum, "float32", DQ_ROWS),))
             build.get_kernel(var)(plan.grid, plan.block, (kernel_args,), shared_mem=plan.smem_bytes)
 
         return sm80.run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv, q_block=var.block_m)

@@ -195,19 +195,25 @@ def schedule(num_tiles: int, mask: str, device) -> tuple:
     return blocks, (0 if mask == "none" else tile_counter())
 
 
-L2_KV_BYTES = 50 * 2**20  # K and V bytes the tile order keeps in L2 at once (H100 and H200: 50 MiB of L2)
+L2_BYTES = 50 * 2**20  # what the tile orders keep in L2 at once (H100 and H200: 50 MiB of L2)
+
+
+def pairs_in_l2(pair_bytes: int, pairs: int) -> int:
+    """How many (head, batch) pairs whose `pair_bytes` each fit in L2 together, rounded down to a
+    power of two (at least 1, at most `pairs`): the section width of the Hopper kernels' tile orders
+    (grid.cuh's section_coords)."""
+    fit = max(1, L2_BYTES // max(1, pair_bytes))
+    return min(1 << (fit.bit_length() - 1), pairs)
 
 
 def section_heads(problem, mask: str) -> int:
     """How many (head, batch) pairs' q blocks the tile order interleaves (fwd_sm90.cu's tile_at):
-    for causal and local problems as many as have K and V in L2 together, rounded down to a power of
-    two, so that the heaviest blocks of several heads start first while their keys stay in L2;
-    without a mask 1, each head's blocks in order (every tile costs the same)."""
+    for causal and local problems as many as have K and V in L2 together, so that the heaviest
+    blocks of several heads start first while their keys stay in L2; without a mask 1, each head's
+    blocks in order (every tile costs the same)."""
     if mask == "none":
         return 1
-    kv_bytes = max(1, problem.max_seqlen_k) * problem.head_dim * 2 * 2
-    fit = max(1, L2_KV_BYTES // kv_bytes)
-    return min(1 << (fit.bit_length() - 1), problem.nheads * problem.batch)
+    return pairs_in_l2(max(1, problem.max_seqlen_k) * problem.head_dim * 2 * 2, problem.nheads * problem.batch)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -94,6 +94,20 @@ def test_large_batch_heads_and_scale():
     run_backward(q, k, v, True, "float16", softmax_scale=0.3)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_sections_of_the_block_order(head_dim, backward_family, monkeypatch):
+    """The sm90 backward's block order in sections narrower than the problem (the last one narrower
+    still): every key block of every pair runs once, against the reference."""
+    from flashcupy import sm90_bwd
+
+    if backward_family != "sm90":
+        pytest.skip("the section order is the sm90 backward's")
+    monkeypatch.setattr(sm90_bwd, "section_heads", lambda problem, mask, deterministic: 3)
+    rng = np.random.default_rng(head_dim + 5)
+    q, k, v = (randn(rng, (7, 261, 2, head_dim), "bfloat16") for _ in range(3))
+    run_backward(q, k, v, True, "bfloat16")
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_noncontiguous_strides_and_given_outputs(causal):
     """Packed qkv inputs; gradients written in place into a packed dqkv buffer."""

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from flashcupy import params, sm90_fwd
+from flashcupy import launch, params, sm90_fwd
 from flashcupy.problem import AttentionOptions, Problem
 
 
@@ -40,17 +40,50 @@ def test_section_heads(batch, seqlen, nheads, head_dim, causal, expected):
     assert sm90_fwd.section_heads(p, p.band.mask) == expected
 
 
+@pytest.mark.parametrize("batch, seqlen, nheads, head_dim, mask, deterministic, expected", [
+    (8, 2048, 16, 128, "none", False, 1),      # no mask: a head's key blocks adjacent
+    (8, 2048, 16, 128, "causal", False, 16),   # 2 MiB of Q, dO, dQ, LSE, D per pair: 24 fit -> 16
+    (1, 16384, 16, 128, "causal", False, 2),   # 16 MiB per pair: 3 fit -> 2
+    (1, 16384, 32, 64, "local", False, 4),     # 8 MiB per pair: 6 -> 4
+    (8, 2048, 16, 128, "causal", True, 1),     # deterministic: the semaphore's order
+    (2, 512, 2, 64, "causal", False, 4),       # every pair fits: one section
+])
+def test_backward_section_heads(batch, seqlen, nheads, head_dim, mask, deterministic, expected):
+    from flashcupy import sm90_bwd
+
+    p = problem(batch, seqlen, nheads, head_dim, causal=mask == "causal",
+                window_size=(256, 0) if mask == "local" else (-1, -1))
+    assert p.band.mask == mask
+    assert sm90_bwd.section_heads(p, mask, deterministic) == expected
+
+
+@pytest.mark.parametrize("num_tiles, pairs, section_pairs", [(7, 10, 4), (5, 3, 1), (16, 32, 32), (1, 5, 2)])
+def test_section_order(num_tiles, pairs, section_pairs):
+    """section_coords visits every (tile, pair) once; inside a section each row of tiles goes across
+    the section's pairs, and each pair's tiles come in order."""
+    order = [launch.section_coords(i, num_tiles, pairs, section_pairs) for i in range(num_tiles * pairs)]
+    assert sorted(order) == [(t, q) for t in range(num_tiles) for q in range(pairs)]
+    for q in range(pairs):
+        assert [t for t, qq in order if qq == q] == list(range(num_tiles))
+    first = order[:min(section_pairs, pairs)]
+    assert first == [(0, q) for q in range(min(section_pairs, pairs))]
+    if section_pairs == 1:
+        assert order == [(t, q) for q in range(pairs) for t in range(num_tiles)]
+
+
 def test_backward_args_layout():
-    """Sm90BwdArgs: BwdParams from byte 0, the q, k, v, dout, dq_accum tensor maps at 512, 640, 768,
-    896, 1024 (the static_assert in bwd_sm90.cu holds the C++ side)."""
+    """Sm90BwdArgs: BwdParams from byte 0, section_heads right after it, the q, k, v, dout, dq_accum
+    tensor maps at 512, 640, 768, 896, 1024 (the static_assert in bwd_sm90.cu holds the C++ side)."""
     from flashcupy import sm90_bwd
 
     bwd_bytes = params.record_dtype("BwdParams").itemsize
-    assert bwd_bytes <= 512
+    assert bwd_bytes + 4 <= 512
     record = bytes(range(256)) * (bwd_bytes // 256) + bytes(range(bwd_bytes % 256))
     maps = [bytes([i + 1]) * 128 for i in range(5)]
-    args = sm90_bwd.pack_args(record, maps).tobytes()
-    assert len(args) == 1152 and args[:bwd_bytes] == record and args[bwd_bytes:512] == bytes(512 - bwd_bytes)
+    args = sm90_bwd.pack_args(record, 37, maps).tobytes()
+    assert len(args) == 1152 and args[:bwd_bytes] == record
+    assert int.from_bytes(args[bwd_bytes:bwd_bytes + 4], "little") == 37
+    assert args[bwd_bytes + 4:512] == bytes(512 - bwd_bytes - 4)
     for i, m in enumerate(maps):
         assert args[512 + 128 * i:640 + 128 * i] == m
 
