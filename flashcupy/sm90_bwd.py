@@ -17,7 +17,8 @@ import numpy as np
 from . import build, sm80
 from .configs import cpp_bool, mask_flags
 from .launch import LaunchPlan, grid_blocks
-from .sm90_fwd import ARCH, NVRTC_OPTIONS, HopperFamily, args_with_maps, hopper_unsupported, pairs_in_l2, tensor_map_of
+from .sm90_fwd import (ARCH, NVRTC_OPTIONS, SECTIONS_FROM_QUERIES, HopperFamily, args_with_maps, hopper_unsupported,
+                       pairs_in_l2, tensor_map_of)
 
 HEAD_DIMS = (64, 128, 256)
 # Keys per thread block: 128 (64 per consumer warpgroup, on the wgmma's M) up to head dim 128; 48 at
@@ -101,11 +102,11 @@ def pack_args(bwd_record: bytes, section_heads: int, maps) -> np.void:
 
 def section_heads(problem, mask: str, deterministic: bool) -> int:
     """How many (head, batch) pairs' key blocks the block order interleaves (bwd_sm90.cu): under a
-    causal or local mask, as many as have Q, dO, dQ's float32 accumulator, LSE and D in L2 together,
-    so that every pair's heaviest key blocks start before the light ones fill the tail; 1 without a
-    mask (equal blocks, a head's adjacent) and in the deterministic mode (whose semaphore order the
-    launch order follows)."""
-    if mask == "none" or deterministic:
+    causal or local mask from SECTIONS_FROM_QUERIES queries, as many as have Q, dO, dQ's float32
+    accumulator, LSE and D in L2 together, so that every pair's heaviest key blocks start before the
+    light ones fill the tail; else 1: without a mask (equal blocks, a head's adjacent), for short
+    sequences, and in the deterministic mode (whose semaphore order the launch order follows)."""
+    if mask == "none" or deterministic or problem.max_seqlen_q < SECTIONS_FROM_QUERIES:
         return 1
     row_bytes = problem.head_dim * (2 + 2 + 4) + 8
     return pairs_in_l2(max(1, problem.max_seqlen_q) * row_bytes, problem.nheads * problem.batch)

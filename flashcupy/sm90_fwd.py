@@ -206,12 +206,18 @@ def pairs_in_l2(pair_bytes: int, pairs: int) -> int:
     return min(1 << (fit.bit_length() - 1), pairs)
 
 
+# Queries from which causal and local problems interleave pairs in sections: on an H100 sections
+# measured 2-6% faster than one pair at a time at 2k-8k tokens, forward and backward, and 2-10%
+# slower at 512 and 1k, where a pair's few blocks run best together (docs/PERF_NOTES.md)
+SECTIONS_FROM_QUERIES = 2048
+
+
 def section_heads(problem, mask: str) -> int:
     """How many (head, batch) pairs' q blocks the tile order interleaves (fwd_sm90.cu's tile_at):
-    for causal and local problems as many as have K and V in L2 together, so that the heaviest
-    blocks of several heads start first while their keys stay in L2; without a mask 1, each head's
-    blocks in order (every tile costs the same)."""
-    if mask == "none":
+    for causal and local problems from SECTIONS_FROM_QUERIES queries, as many as have K and V in L2
+    together, so that the heaviest blocks of several heads start first while their keys stay in L2;
+    else 1, each head's blocks in order (without a mask every tile costs the same)."""
+    if mask == "none" or problem.max_seqlen_q < SECTIONS_FROM_QUERIES:
         return 1
     return pairs_in_l2(max(1, problem.max_seqlen_k) * problem.head_dim * 2 * 2, problem.nheads * problem.batch)
 

@@ -33,7 +33,8 @@ def test_args_layout():
     (8, 2048, 16, 128, True, 32),     # 1 MiB of K and V per head: 50 fit, rounded down to 32
     (1, 16384, 16, 128, True, 4),     # 8 MiB per head: 6 fit -> 4
     (1, 65536, 8, 256, True, 1),      # one head's K and V exceed L2: a section of one
-    (1, 512, 4, 64, True, 4),         # all heads fit: every pair in one section
+    (1, 4096, 4, 64, True, 4),        # all heads fit: every pair in one section
+    (16, 1024, 16, 128, True, 1),     # short sequences: a pair's blocks together
 ])
 def test_section_heads(batch, seqlen, nheads, head_dim, causal, expected):
     p = problem(batch, seqlen, nheads, head_dim, causal=causal)
@@ -46,7 +47,8 @@ def test_section_heads(batch, seqlen, nheads, head_dim, causal, expected):
     (1, 16384, 16, 128, "causal", False, 2),   # 16 MiB per pair: 3 fit -> 2
     (1, 16384, 32, 64, "local", False, 4),     # 8 MiB per pair: 6 -> 4
     (8, 2048, 16, 128, "causal", True, 1),     # deterministic: the semaphore's order
-    (2, 512, 2, 64, "causal", False, 4),       # every pair fits: one section
+    (2, 4096, 2, 64, "causal", False, 4),      # every pair fits: one section
+    (64, 1024, 16, 128, "causal", False, 1),   # short sequences: a pair's key blocks together
 ])
 def test_backward_section_heads(batch, seqlen, nheads, head_dim, mask, deterministic, expected):
     from flashcupy import sm90_bwd
