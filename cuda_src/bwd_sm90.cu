@@ -315,6 +315,29 @@ FC_DEVICE void hand_off_dq(u32 smem, int consumer, int warp, int g, int t, const
     named_bar_arrive(T::kBarDQFull + consumer, T::kDQHandoff);
 }
 
+// P^T = exp2(S^T scale_log2 - LSE) in place of S^T (keys on M, plain scores): element e of tile nt
+// is key key_row + 8 (e / 2), query q0 + 8 nt + 2 t + e % 2; where kMaskable and masked, the keys
+// and queries past the sequences and those the mask hides get 0. The stage's LSE (lse_s) is read
+// here unless kLseEarly has read it already.
+template <bool kMaskable, bool kLseEarly, int kNTiles, class MaskT>
+FC_DEVICE void bwd_probs(float (&acc_s)[1][kNTiles][4], float2 (&lse2)[kNTiles], const float* lse_s, float scale_log2,
+                         const MaskT& mask, int key_row, int q0, int t, int seqlen_q, int seqlen_k, bool masked) {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+        if constexpr (!kLseEarly) lse2[nt] = *reinterpret_cast<const float2*>(lse_s + 8 * nt + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int e1 = e % 2;
+            float pr = fast_exp2(acc_s[0][nt][e] * scale_log2 - (e1 ? lse2[nt].y : lse2[nt].x));
+            if (kMaskable && masked) {
+                const int key = key_row + 8 * (e / 2), q = q0 + 8 * nt + 2 * t + e1;
+                if (key >= seqlen_k || q >= seqlen_q || mask.hidden(q, key)) pr = 0.f;
+            }
+            acc_s[0][nt][e] = pr;
+        }
+    }
+}
+
 // Keys on M: a consumer's 64 keys of the block (see the top of the file).
 template <class T, bool Is_causal, bool Is_local, bool Is_bf16, bool Has_score_mod>
 FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, Is_causal, Is_local>& b,
@@ -381,20 +404,20 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
             Sm90ScoreModProbs<kBlockM, kBlockN, Is_causal, Is_local, Is_bf16> probs{
                 acc_s, a_p, lse_s, mod, b.mask, key0 + key_w0 + g, q0, 2 * t, seqlen_q, seqlen_k, needs_mask};
             mod.dispatch(probs);
-        } else {  // element e of tile nt is key key_w0 + g + 8 (e / 2), query q0 + 8 nt + 2 t + e % 2
-#pragma unroll
-            for (int nt = 0; nt < kBlockM / 8; ++nt) {
-                if constexpr (!kLseEarly) lse2[nt] = *reinterpret_cast<const float2*>(lse_s + 8 * nt + 2 * t);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int e1 = e % 2;
-                    float pr = fast_exp2(acc_s[0][nt][e] * p.scale_log2 - (e1 ? lse2[nt].y : lse2[nt].x));
-                    if (needs_mask) {
-                        const int key = key0 + key_w0 + g + 8 * (e / 2), q = q0 + 8 * nt + 2 * t + e1;
-                        if (key >= seqlen_k || q >= seqlen_q || b.mask.hidden(q, key)) pr = 0.f;
-                    }
-                    acc_s[0][nt][e] = pr;
-                }
+        } else {
+            const int key_row = key0 + key_w0 + g;
+            if constexpr (Is_causal || Is_local) {
+                // Masked steps take their own copy: with the flag tested per score, the causal builds
+                // branched on it per score on every step (12-18% slower)
+                if (needs_mask)
+                    bwd_probs<true, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t, seqlen_q,
+                                               seqlen_k, true);
+                else
+                    bwd_probs<false, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t, seqlen_q,
+                                                seqlen_k, false);
+            } else {  // one copy, the flag tested per score: predicated, which measured 2-9% faster here
+                bwd_probs<true, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t, seqlen_q,
+                                           seqlen_k, needs_mask);
             }
 #pragma unroll
             for (int kk = 0; kk < kBlockM / 16; ++kk)
