@@ -331,7 +331,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
                 mbar_arrive(k_empty(stage_of(it)));
                 const MmaAccCoords coords(row0 + warp_row0, n_block * kBlockN, lane);  // a warp's 16 rows, as mma.sync
                 if (Has_score_mod) apply_score_mod(mod, acc_s, coords);
-                if (w.mask.tile_needs_mask(row0, n_block)) w.mask.apply(acc_s, coords);
+                // Without a band only the last key block, the prologue's, can need a mask: no test
+                // here, which would split the softmax's basic block (ptxas then waits for P V at its top)
+                if ((Is_causal || Is_local) && w.mask.tile_needs_mask(row0, n_block)) w.mask.apply(acc_s, coords);
                 softmax.probs(acc_s, score_log2, alpha);
                 wgmma_wait<0>();
                 fence_regs(o_flat);
