@@ -102,10 +102,12 @@ def test_sections_of_the_block_order(head_dim, backward_family, monkeypatch):
 
     if backward_family != "sm90":
         pytest.skip("the section order is the sm90 backward's")
-    monkeypatch.setattr(sm90_bwd, "section_heads", lambda problem, mask, deterministic: 3)
+    asked = []
+    monkeypatch.setattr(sm90_bwd, "section_heads", lambda problem, mask, deterministic: asked.append(mask) or 3)
     rng = np.random.default_rng(head_dim + 5)
     q, k, v = (randn(rng, (7, 261, 2, head_dim), "bfloat16") for _ in range(3))
     run_backward(q, k, v, True, "bfloat16")
+    assert asked == ["causal"]  # the launch took the narrow sections
 
 
 @pytest.mark.parametrize("causal", [False, True])

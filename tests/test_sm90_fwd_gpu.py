@@ -54,6 +54,21 @@ def test_masks_and_ragged_lengths(dtype_name, head_dim, options, seqlen_q, seqle
     run(q, k, v, dtype_name, **options)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("options", MASKS[1:3], ids=MASK_IDS[1:3])
+def test_sections_of_the_tile_order(head_dim, options, monkeypatch):
+    """The tile order in sections narrower than the problem (the last one narrower still): every q
+    block of every (head, batch) pair runs once, against the reference."""
+    from flashcupy import sm90_fwd
+
+    asked = []
+    monkeypatch.setattr(sm90_fwd, "section_heads", lambda problem, mask: asked.append(mask) or 3)
+    rng = np.random.default_rng(head_dim + 9)
+    q, k, v = (randn(rng, (7, 261, 2, head_dim), "bfloat16") for _ in range(3))
+    run(q, k, v, "bfloat16", **options)
+    assert len(asked) == 1  # the launch took the narrow sections
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_many_blocks_gqa_and_sinks(head_dim):
     """batch x heads past twice the SM count; 8 query heads per kv head; sink logits."""
