@@ -4,7 +4,8 @@
 // A persistent grid (a block per SM) walks the work tiles, q blocks of kBlockM = 128 or 192 rows of
 // one (head, batch); a block has 1 + kBlockM / 64 warpgroups:
 //   warpgroup 0, producer (24 or 32 registers per thread): one thread issues the TMA loads: for each
-//       tile Q_i once (when the consumers have released the last one), then K_j and V_j of every key
+//       tile Q_i once (into the older of two Q buffers where shared memory has room for them, when
+//       the consumers have released it), then K_j and V_j of every key
 //       block the q block sees into the next stage of a ring of kStages, each waiting
 //       until the consumers have released that stage's K or V (empty barriers), each completing on
 //       its full barrier with its byte count;
@@ -28,8 +29,8 @@
 // with fragment.cuh's MmaAccCoords placing the scores, shared with the sm80 kernels.
 //
 // Shared memory holds each tile as head-dim chunks of 64 columns (128 bytes a row), the 128-byte
-// swizzle TMA writes and the wgmma descriptors read: Q, then kStages K tiles, then kStages V tiles,
-// then the mbarriers.
+// swizzle TMA writes and the wgmma descriptors read: the Q buffers, then kStages K tiles, then
+// kStages V tiles, then the mbarriers.
 #include "sm90.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
@@ -60,12 +61,16 @@ struct Sm90FwdTraits {
     static constexpr int kChunks = kHeadDim / kChunk;
     static constexpr int kQBytes = kBlockM * kHeadDim * 2;
     static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or V tile
-    static constexpr int kOffK = kQBytes;
+    // Two Q buffers where shared memory allows: the next tile's Q loads while this one computes
+    // (one buffer would leave that load, from DRAM, between the two tiles).
+    static constexpr int kMaxSmem = 227 * 1024;
+    static constexpr int kQSlots = 2 * kQBytes + 2 * kStages * kKVBytes + 2048 <= kMaxSmem ? 2 : 1;
+    static constexpr int kOffK = kQSlots * kQBytes;
     static constexpr int kOffV = kOffK + kStages * kKVBytes;
     static constexpr int kOffBar = kOffV + kStages * kKVBytes;
-    // Q full; per stage K full, V full, K empty, V empty; Q empty; per tile slot full, empty
+    // per stage K full, V full, K empty, V empty; per Q slot full, empty; per tile slot full, empty
     static constexpr int kTileSlots = 2;  // the producer announces the consumers' next tiles through these
-    static constexpr int kBarriers = 2 + 4 * kStages + 2 * kTileSlots;
+    static constexpr int kBarriers = 4 * kStages + 2 * kQSlots + 2 * kTileSlots;
     static constexpr int kOffTileSlots = kOffBar + kBarriers * 8;
     // + 1024: the dynamic shared memory base is aligned up to the swizzle atom's 1024 bytes.
     static constexpr int kSmemBytes = kOffTileSlots + kTileSlots * 4 + 1024;
@@ -103,20 +108,22 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_u32(smem_raw) + 1023) & ~1023u;
     const u32 sQ = smem, sK = smem + T::kOffK, sV = smem + T::kOffV, sBar = smem + T::kOffBar;
-    const u32 q_full = sBar;
-    auto k_full = [&](int s) { return sBar + 8 * (1 + s); };
-    auto v_full = [&](int s) { return sBar + 8 * (1 + kStages + s); };
-    auto k_empty = [&](int s) { return sBar + 8 * (1 + 2 * kStages + s); };
-    auto v_empty = [&](int s) { return sBar + 8 * (1 + 3 * kStages + s); };
+    auto k_full = [&](int s) { return sBar + 8 * s; };
+    auto v_full = [&](int s) { return sBar + 8 * (kStages + s); };
+    auto k_empty = [&](int s) { return sBar + 8 * (2 * kStages + s); };
+    auto v_empty = [&](int s) { return sBar + 8 * (3 * kStages + s); };
+    auto q_full = [&](int s) { return sBar + 8 * (4 * kStages + s); };
+    auto q_empty = [&](int s) { return sBar + 8 * (4 * kStages + T::kQSlots + s); };
+    auto tile_full = [&](int s) { return sBar + 8 * (4 * kStages + 2 * T::kQSlots + s); };
+    auto tile_empty = [&](int s) { return sBar + 8 * (4 * kStages + 2 * T::kQSlots + T::kTileSlots + s); };
 
     const int tid = threadIdx.x, warpgroup = tid / 128, lane = tid & 31;
-    const u32 q_empty = sBar + 8 * (1 + 4 * kStages);
-    auto tile_full = [&](int s) { return sBar + 8 * (2 + 4 * kStages + s); };
-    auto tile_empty = [&](int s) { return sBar + 8 * (2 + 4 * kStages + T::kTileSlots + s); };
     volatile int* tile_slot = reinterpret_cast<int*>(smem_raw + (smem - smem_u32(smem_raw)) + T::kOffTileSlots);
     if (tid == 0) {
-        mbar_init(q_full, 1);
-        mbar_init(q_empty, T::kConsumers);
+        for (int s = 0; s < T::kQSlots; ++s) {
+            mbar_init(q_full(s), 1);
+            mbar_init(q_empty(s), T::kConsumers);
+        }
         for (int s = 0; s < kStages; ++s) {
             mbar_init(k_full(s), 1);
             mbar_init(v_full(s), 1);
@@ -135,8 +142,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     // x batch): its first is blockIdx.x, the next blockIdx.x + gridDim.x, ... or, with a tile
     // counter, the next one not yet taken. The producer picks each tile and announces it to the
     // consumers through a ring of tile slots (an index >= num_tiles: no more); the K/V stages and
-    // the Q buffer carry their phases from one tile to the next, so the next tile's loads start
-    // while this one finishes.
+    // the Q buffers carry their phases from one tile to the next, so the next tile's loads start
+    // while this one computes.
     const int num_m_blocks = (p.max_seqlen_q + kBlockM - 1) / kBlockM;
     const int num_tiles = num_m_blocks * p.nheads * p.batch;
     struct Tile {
@@ -190,12 +197,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
                 if (w.row0 >= w.seq.seqlen_q || w.n_block_max <= w.n_block_min) continue;
                 const int kv_head = w.head / p.heads_per_kv_head, k_row0 = w.seq.k_start;
                 // a new barrier's "previous phase" has completed: the first waits pass
-                mbar_wait(q_empty, (q_iter & 1) ^ 1);
-                mbar_arrive_expect_tx(q_full, T::kQBytes);
+                const int qs = q_iter % T::kQSlots;
+                mbar_wait(q_empty(qs), ((q_iter / T::kQSlots) & 1) ^ 1);
+                mbar_arrive_expect_tx(q_full(qs), T::kQBytes);
 #pragma unroll
                 for (int c = 0; c < T::kChunks; ++c)
-                    tma_load_4d(sQ + c * kBlockM * 128, &args.q, q_full, c * T::kChunk, w.seq.q_start + w.row0,
-                                w.head, tma_batch(w.batch));
+                    tma_load_4d(sQ + qs * T::kQBytes + c * kBlockM * 128, &args.q, q_full(qs), c * T::kChunk,
+                                w.seq.q_start + w.row0, w.head, tma_batch(w.batch));
                 ++q_iter;
                 for (int n_block = w.n_block_max - 1; n_block >= w.n_block_min; --n_block, ++kv_iter) {
                     const int s = kv_iter % kStages;
@@ -237,7 +245,6 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     // Descriptors: K-major Q (this warpgroup's 64 rows) and K, 8-row groups 1024 bytes apart, k
     // steps of 16 columns 32 bytes apart inside a chunk; V N-major, chunks kBlockN * 128 bytes apart
     // along the head dim, 16 keys 2048 bytes apart.
-    const u32 sQ_wg = sQ + consumer * 64 * 128;
     int q_iter = 0, kv_iter = 0;
     for (int slot_iter = 0;; ++slot_iter) {
         const int slot = slot_iter % T::kTileSlots;
@@ -262,6 +269,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
 
         const int n_count = w.n_block_max - w.n_block_min;
         if (n_count > 0) {
+            const int qs = q_iter % T::kQSlots;
+            const u32 sQ_wg = sQ + qs * T::kQBytes + consumer * 64 * 128;
             // With kAdvanceDescs each wgmma's descriptor is its tile's advanced by the constant
             // offset (fewer instructions; measured faster at d = 128 only), else built from its address.
             auto desc = [&](u32 tile, u32 offset, u32 leading) {
@@ -292,7 +301,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
             float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
             u32 a_p[kBlockN / 16][4];
             float alpha[2];
-            mbar_wait(q_full, q_iter & 1);
+            mbar_wait(q_full(qs), (q_iter / T::kQSlots) & 1);
             mbar_wait(k_full(stage_of(0)), parity_of(0));
             wgmma_fence();
             issue_s(s_flat, stage_of(0));
@@ -343,7 +352,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
                 for (int kk = 0; kk < kBlockN / 16; ++kk)
                     acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
             }
-            mbar_arrive(q_empty);  // every S of this tile is done: the producer may load the next Q
+            mbar_arrive(q_empty(qs));  // every S of this tile is done: the producer may load the next Q
             mbar_wait(v_full(stage_of(n_count - 1)), parity_of(n_count - 1));
             fence_regs(o_flat);
             if (kRescaleUnderS && n_count > 1) softmax.rescale(acc_o, alpha);

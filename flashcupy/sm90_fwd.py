@@ -22,6 +22,7 @@ from . import build, params
 from .configs import cpp_bool, mask_flags
 from .launch import LaunchPlan, grid_blocks
 from .registry import Family
+from .replay import Replay
 
 NVRTC_OPTIONS = ("-std=c++17",)
 ARCH = "sm_90a"
@@ -55,15 +56,23 @@ _TILES = {64: Sm90FwdTile(192, 128, 2, ping_pong=True),
 
 
 TILE_SLOTS = 2  # Sm90FwdTraits::kTileSlots
+MAX_SMEM = 227 * 1024  # Sm90FwdTraits::kMaxSmem, an sm_90 block's shared memory
+
+
+def q_slots(head_dim: int, tile: Sm90FwdTile) -> int:
+    """Q buffers: two where they fit beside the K/V stages (Sm90FwdTraits::kQSlots)."""
+    q, kv = tile.block_m * head_dim * 2, tile.block_n * head_dim * 2
+    return 2 if 2 * q + 2 * tile.stages * kv + 2048 <= MAX_SMEM else 1
 
 
 def smem_bytes(head_dim: int, tile: Sm90FwdTile) -> int:
-    """Q, stages x (K, V), the mbarriers, the tile slots, and 1024 bytes to align the swizzled tiles
-    (Sm90FwdTraits in fwd_sm90.cu)."""
+    """The Q buffers, stages x (K, V), the mbarriers, the tile slots, and 1024 bytes to align the
+    swizzled tiles (Sm90FwdTraits in fwd_sm90.cu)."""
     q = tile.block_m * head_dim * 2
     kv = tile.block_n * head_dim * 2
-    barriers = 2 + 4 * tile.stages + 2 * TILE_SLOTS
-    return q + 2 * tile.stages * kv + barriers * 8 + TILE_SLOTS * 4 + 1024
+    slots = q_slots(head_dim, tile)
+    barriers = 4 * tile.stages + 2 * slots + 2 * TILE_SLOTS
+    return slots * q + 2 * tile.stages * kv + barriers * 8 + TILE_SLOTS * 4 + 1024
 
 
 @dataclass(frozen=True)
@@ -291,4 +300,8 @@ class Sm90Forward(HopperFamily):
         maps = (tensor_map_of(q, problem.dtype, tile.block_m), tensor_map_of(k, problem.dtype, tile.block_n),
                 tensor_map_of(v, problem.dtype, tile.block_n))
         args = pack_args(record, section_heads(problem, var.mask), counter, maps)
-        build.get_kernel(var)(plan.grid, plan.block, (args,), shared_mem=plan.smem_bytes)
+        # FwdParams opens Sm90FwdArgs: its pointer offsets hold in the whole argument
+        launch = Replay(build.get_kernel(var), plan, args.tobytes(),
+                        params.pointer_offsets("FwdParams", params.FWD_OUTPUTS))
+        launch(out=out.data.ptr, lse=lse.data.ptr)
+        return launch
