@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from . import registry
+from . import registry, replay
 from .device import device_info
 from .problem import BACKEND_ENV, AttentionOptions, Problem, requested_backend
 from .validation import (ArraySpec, check_backward_inputs, check_forward_inputs, check_pointer_alignment,
@@ -92,12 +92,17 @@ def flash_attn_func(q, k, v, softmax_scale: Optional[float] = None, causal: bool
     Head dims 32, 64, 96, 128, 192 and 256 are supported, on GPUs of compute capability >= 8.0.
     The kernel runs on CuPy's current stream; nothing synchronizes the device.
     """
+    key = replay.call_key((q, k, v, alibi_slopes, sinks),
+                          (softmax_scale, causal, window_size, alignment, softcap, backend))
+    kept = replay.find(key)
+    if kept is not None:  # the same inputs and options as a recent call: its launch again
+        return kept(return_lse)
     options = AttentionOptions(softmax_scale, causal, window_size, alignment, softcap, alibi_slopes, sinks,
                                backend=backend)
     q, k, v = _device_arrays(q=q, k=k, v=v)
     check_forward_inputs(ArraySpec.of(q), ArraySpec.of(k), ArraySpec.of(v))
     problem = Problem.padded(q, k, dtype_name(q.dtype), _with_device_arrays(options))
-    return _forward(problem, q, k, v, return_lse)
+    return _forward(problem, q, k, v, return_lse, key)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
@@ -213,7 +218,9 @@ def family_for(direction: str, problem: Problem, device) -> registry.Family:
     return registry.select(direction, problem, device, backend, source)
 
 
-def _forward(problem: Problem, q, k, v, return_lse):
+def _forward(problem: Problem, q, k, v, return_lse, key=None):
+    """Allocates out and the LSE and launches; with a call key, keeps the launch for the next call
+    of that key (replay.py)."""
     import cupy
 
     with q.device:
@@ -223,7 +230,9 @@ def _forward(problem: Problem, q, k, v, return_lse):
             for name, a in (("q", q), ("k", k), ("v", v)):
                 check_pointer_alignment(name, a.data.ptr)
             device = device_info(q.device.id)
-            family_for("fwd", problem, device).run(problem, device, q, k, v, out, lse)
+            launch = family_for("fwd", problem, device).run(problem, device, q, k, v, out, lse)
+            if launch is not None:
+                replay.keep(key, replay.ForwardReplay(launch, out.shape, out.dtype, lse.shape))
     return (out, lse) if return_lse else out
 
 

@@ -51,6 +51,7 @@ DECODE_OWN_FIELDS = (
     + [(name, I32) for name in ("page_size", "page_div_shift", "seqlen_new", "num_splits", "heads_per_block", "rotary_dim",
                                 "rotary_interleaved", "rotary_q_per_row")]
 )
+FWD_OUTPUTS = ("out", "lse")  # the FwdParams pointers to the buffers a forward call allocates
 STRUCTS = {"FwdParams": (FWD_FIELDS, None), "BwdParams": (BWD_OWN_FIELDS, "FwdParams"),
            "DecodeParams": (DECODE_OWN_FIELDS, "FwdParams")}
 
@@ -74,6 +75,12 @@ def record_dtype(struct: str) -> np.dtype:
     align = max(np.dtype(f).alignment for f in formats)
     return np.dtype({"names": names, "formats": formats, "offsets": offsets,
                      "itemsize": -(-offset // align) * align}, align=True)
+
+
+def pointer_offsets(struct: str, names) -> dict:
+    """{name: byte offset} of pointer fields of the struct (where a kept launch rewrites them)."""
+    dtype = record_dtype(struct)
+    return {n: dtype.fields[n][1] for n in names}
 
 
 def field_names(struct: str) -> list:

@@ -49,8 +49,9 @@ class Family:
         raise NotImplementedError
 
     def run(self, problem, device, *arrays):
-        """Launch the kernels on CuPy's current stream (forward: q, k, v, out, lse; backward: dout,
-        q, k, v, out, lse, dq, dk, dv, returning D = rowsum(dO * O))."""
+        """Launch the kernels on CuPy's current stream. Forward: q, k, v, out, lse, returning the
+        launch as a replay.Replay (what launches it again into other out and lse buffers) or None;
+        backward: dout, q, k, v, out, lse, dq, dk, dv, returning D = rowsum(dO * O)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

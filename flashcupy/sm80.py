@@ -15,6 +15,7 @@ from . import build, params
 from .configs import DTYPE_NAMES, MASKS, SUPPORTED_HEAD_DIMS, cpp_bool, mask_flags, smem_limit
 from .launch import LaunchPlan, grid_blocks
 from .registry import Family
+from .replay import Replay
 
 NVRTC_OPTIONS = ("-std=c++17",)
 MIN_CAPABILITY = 80
@@ -338,11 +339,14 @@ class Sm80Forward(Family):
     def ci_cases(self) -> list:
         return _ci_cases(self)
 
-    def run(self, problem, device, q, k, v, out, lse) -> None:
+    def run(self, problem, device, q, k, v, out, lse) -> Replay:
         variant = self.variant(problem, device)
         plan = plan_forward(variant, problem.batch, problem.nheads, problem.max_seqlen_q)
         args = params.pack("FwdParams", params.fwd_values(problem, q, k, v, out, lse))
-        build.get_kernel(variant)(plan.grid, plan.block, (args,), shared_mem=plan.smem_bytes)
+        launch = Replay(build.get_kernel(variant), plan, args.tobytes(),
+                        params.pointer_offsets("FwdParams", params.FWD_OUTPUTS))
+        launch(out=out.data.ptr, lse=lse.data.ptr)
+        return launch
 
 
 class Sm80Backward(Family):

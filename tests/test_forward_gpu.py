@@ -173,3 +173,51 @@ def test_memory_is_linear_in_seqlen():
     ref_out, _ = attention_ref(to_host64(q[:, tail]), to_host64(k), to_host64(v), causal=True)
     assert rel_err(to_host64(out[:, tail]), ref_out) < REL_TOL["bfloat16"]
     assert math.isfinite(float(lse.max()))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_repeated_call_replays_its_launch(causal, monkeypatch):
+    """A call with the inputs and options of the last one skips the host work (no problem is
+    described again) and computes from the inputs' current contents into fresh outputs; a change
+    of shape or option takes the full path."""
+    import os
+
+    import cupy
+
+    import flashcupy
+    from flashcupy import replay
+    from flashcupy.problem import Problem
+    from flashcupy.reference import attention_ref
+
+    rng = np.random.default_rng(31 + causal)
+    shape = (2, 129, 3, 64)
+    q, k, v = (randn(rng, shape, "bfloat16") for _ in range(3))
+    skip_unless_served("fwd", os.environ["FLASHCUPY_BACKEND"], q, k, causal=causal)
+    described, padded = [], Problem.padded
+    monkeypatch.setattr(Problem, "padded", lambda *a, **kw: described.append(1) or padded(*a, **kw))
+    replay.clear()
+    outputs = ((shape, q.dtype), ((2, 3, 129), cupy.float32))
+    first, first_lse = flashcupy.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    for _ in range(2):
+        poison_pool(*outputs)
+        out, lse = flashcupy.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+        assert out.data.ptr != first.data.ptr
+        assert (to_host64(out) == to_host64(first)).all() and (cupy.asnumpy(lse) == cupy.asnumpy(first_lse)).all()
+    assert len(described) == 1
+
+    def check(out, lse, q, **options):
+        ref_out, ref_lse = attention_ref(to_host64(q), to_host64(k), to_host64(v), causal=causal, **options)
+        assert rel_err(to_host64(out), ref_out) < REL_TOL["bfloat16"]
+        check_lse(lse, ref_lse)
+
+    for a in (q, k, v):  # new contents in the same buffers: the kept launch reads them
+        a[...] = randn(rng, shape, "bfloat16")
+    poison_pool(*outputs)
+    check(*flashcupy.flash_attn_func(q, k, v, causal=causal, return_lse=True), q)
+    assert len(described) == 1
+    check(*flashcupy.flash_attn_func(q, k, v, softmax_scale=0.3, causal=causal, return_lse=True), q,
+          softmax_scale=0.3)
+    assert len(described) == 2
+    short = q[:, :100]  # the same pointer, another shape
+    check(*flashcupy.flash_attn_func(short, k, v, causal=causal, return_lse=True), short)
+    assert len(described) == 3
