@@ -346,7 +346,11 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
     const u32 smem = b.smem, sK = smem, sV = smem + T::kOffV, sQ = smem + T::kOffQ, sdO = smem + T::kOffDO;
     const u32 sdS = smem + T::kOffDS;
     const int seqlen_q = b.seq.seqlen_q, seqlen_k = b.seq.seqlen_k, key0 = b.key0;
-    const int consumer = tid / 128 - 1, lane = tid & 31, warp = (tid / 32) % 4, g = lane >> 2, t = lane & 3;
+    // d = 64 without a band or score mods: the warpgroup index warp-uniform and K_j's, V_j's
+    // descriptors held in uniform registers, 4-5% faster; elsewhere 0-5% slower (docs/PERF_NOTES.md)
+    constexpr bool kUniformWG = kHeadDim == 64 && !Is_causal && !Is_local && !Has_score_mod;
+    const int consumer = (kUniformWG ? warpgroup_index() : tid / 128) - 1;
+    const int lane = tid & 31, warp = (tid / 32) % 4, g = lane >> 2, t = lane & 3;
     const int key_wg0 = 64 * consumer;                 // this warpgroup's first key in the block
     const int key_w0 = key_wg0 + 16 * warp;            // this warp's first key (wgmma rows)
     float acc_dk[kHeadDim / 2], acc_dv[kHeadDim / 2];  // 64 keys x kHeadDim per warpgroup
@@ -379,9 +383,11 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
         };
         mbar_wait(b.q_full(s), (it / kStages) & 1);
         wgmma_fence();
-        // K_j and V_j do not change; their descriptors are rebuilt each step (in_place), not held
-        issue_ss(s_flat, gmma_desc(in_place(sK_wg), 16, 1024), gmma_desc(sQ_s, 16, 1024));
-        issue_ss(dp_flat, gmma_desc(in_place(sV_wg), 16, 1024), gmma_desc(sdO_s, 16, 1024));
+        // K_j and V_j do not change: with kUniformWG their descriptors stay in uniform registers,
+        // else they are rebuilt each step (in_place), not held in per-thread registers
+        auto kv_base = [&](u32 tile) { return kUniformWG ? tile : in_place(tile); };
+        issue_ss(s_flat, gmma_desc(kv_base(sK_wg), 16, 1024), gmma_desc(sQ_s, 16, 1024));
+        issue_ss(dp_flat, gmma_desc(kv_base(sV_wg), 16, 1024), gmma_desc(sdO_s, 16, 1024));
         // this stage's LSE_i log2 e, then D_i; a thread's two queries in a tile are adjacent (one
         // float2). With 64 queries LSE_i is read while the wgmmas run (with 128 there are no
         // registers for it), D_i after P^T.
@@ -467,7 +473,7 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
         constexpr int kDQCols = T::kDQCols;
         const int col0 = T::kDQSplitRows ? 0 : consumer * kDQCols, row0 = T::kDQSplitRows ? consumer * 64 : 0;
         const u64 desc_k_dq =
-            gmma_desc(in_place(sK + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2), kBlockN * 128, 1024);
+            gmma_desc(kv_base(sK + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2), kBlockN * 128, 1024);
         const u64 desc_ds = gmma_desc(sdS_b + (row0 / 64) * kBlockN * 128, kBlockN * 128, 1024);
         float acc_dq[kDQCols / 2];
 #pragma unroll

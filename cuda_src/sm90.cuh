@@ -27,7 +27,6 @@ FC_DEVICE void mbar_wait(u32 bar, u32 parity) {
                  "WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                  " @!done bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
 }
-
 // ---- TMA: bulk tensor copies described by a tensor map (encoded on the host) -------------------
 // The tensor map is an opaque 128-byte, 64-byte aligned object; kernels take it inside a
 // __grid_constant__ parameter so that its address is a parameter-space address.
@@ -62,6 +61,13 @@ template <int N>
 FC_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
 template <int N>
 FC_DEVICE void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// This thread's warpgroup, as lane 0 of its warp has it: ptxas then knows it is the same across the
+// warp and can keep what derives from it (tile addresses, wgmma descriptors) in uniform registers;
+// from threadIdx.x / 128 it builds each descriptor in per-thread registers and moves it to uniform
+// ones (two R2UR) before every wgmma. Which kernels gain from it is measured, not assumed: the
+// uniform registers it takes are missed elsewhere (docs/PERF_NOTES.md).
+FC_DEVICE int warpgroup_index() { return __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0); }
 
 // ---- shared memory written by threads, then read by the async proxy (wgmma, TMA) ----------------
 FC_DEVICE void st_shared_u32(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory"); }
