@@ -92,11 +92,12 @@ def flash_attn_func(q, k, v, softmax_scale: Optional[float] = None, causal: bool
     Head dims 32, 64, 96, 128, 192 and 256 are supported, on GPUs of compute capability >= 8.0.
     The kernel runs on CuPy's current stream; nothing synchronizes the device.
     """
-    key = replay.call_key((q, k, v, alibi_slopes, sinks),
+    key = replay.call_key("flash_attn_func", (q, k, v, alibi_slopes, sinks),
                           (softmax_scale, causal, window_size, alignment, softcap, backend))
     kept = replay.find(key)
     if kept is not None:  # the same inputs and options as a recent call: its launch again
-        return kept(return_lse)
+        b = kept({})
+        return (b["out"], b["lse"]) if return_lse else b["out"]
     options = AttentionOptions(softmax_scale, causal, window_size, alignment, softcap, alibi_slopes, sinks,
                                backend=backend)
     q, k, v = _device_arrays(q=q, k=k, v=v)
@@ -164,6 +165,12 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale: Optional
     Extra device memory is O(seqlen): D = rowsum(dout * out) and a float32 dq accumulator (and,
     under GQA, per-query-head dk, dv before the group sum). Runs on CuPy's current stream.
     """
+    key = replay.call_key("flash_attn_backward", (dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, sinks),
+                          (softmax_scale, causal, deterministic, window_size, alignment, softcap, backend))
+    kept = replay.find(key)
+    if kept is not None:  # the same inputs, outputs and options as a recent call: its launches again
+        b = kept({"dq": dq, "dk": dk, "dv": dv})
+        return _gradients(b["dq"], b["dk"], b["dv"], b["delta"], softmax_lse, sinks)
     options = AttentionOptions(softmax_scale, causal, window_size, alignment, softcap, alibi_slopes, sinks,
                                deterministic, backend)
     dout, q, k, v, out, softmax_lse = _device_arrays(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=softmax_lse)
@@ -171,7 +178,7 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale: Optional
     check_backward_inputs(*(ArraySpec.of(a) for a in (dout, q, k, v, out, softmax_lse)),
                           {n: ArraySpec.of(a) for n, a in grads.items()})
     problem = Problem.padded(q, k, dtype_name(q.dtype), _with_device_arrays(options))
-    return _backward(problem, dout, q, k, v, out, softmax_lse, grads)
+    return _backward(problem, dout, q, k, v, out, softmax_lse, grads, key)
 
 
 def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
@@ -232,11 +239,14 @@ def _forward(problem: Problem, q, k, v, return_lse, key=None):
             device = device_info(q.device.id)
             launch = family_for("fwd", problem, device).run(problem, device, q, k, v, out, lse)
             if launch is not None:
-                replay.keep(key, replay.ForwardReplay(launch, out.shape, out.dtype, lse.shape))
+                outputs = replay.Buffers({"out": (out.shape, out.dtype, False), "lse": (lse.shape, lse.dtype, False)})
+                replay.keep(key, replay.CallReplay(outputs, [launch]))
     return (out, lse) if return_lse else out
 
 
-def _backward(problem: Problem, dout, q, k, v, out, softmax_lse, grads):
+def _backward(problem: Problem, dout, q, k, v, out, softmax_lse, grads, key=None):
+    """Allocates the gradients the caller did not give and launches; with a call key, keeps the
+    launches for the next call of that key (replay.py)."""
     import cupy
 
     p = problem
@@ -252,13 +262,21 @@ def _backward(problem: Problem, dout, q, k, v, out, softmax_lse, grads):
                         ("dv", dv)):
             check_pointer_alignment(name, a.data.ptr)
         device = device_info(q.device.id)
-        delta = family_for("bwd", p, device).run(p, device, dout, q, k, v, out, softmax_lse, dq, dk, dv)
-        if p.options.sinks is None:
-            return dq, dk, dv
-        # d loss / d sink_h = -sum over rows of exp(sink_h - LSE) * D: the sink's share of each
-        # row's denominator times the row's dO . O
+        delta, launches = family_for("bwd", p, device).run(p, device, dout, q, k, v, out, softmax_lse, dq, dk, dv)
+        replay.keep(key, launches)
+        return _gradients(dq, dk, dv, delta, softmax_lse, p.options.sinks)
+
+
+def _gradients(dq, dk, dv, delta, softmax_lse, sinks):
+    """(dq, dk, dv), with sinks also dsinks: d loss / d sink_h = -sum over rows of exp(sink_h - LSE)
+    * D, the sink's share of each row's denominator times the row's dO . O."""
+    import cupy
+
+    if sinks is None:
+        return dq, dk, dv
+    with dq.device:
         lse3, delta3 = (a if a.ndim == 3 else a[None] for a in (softmax_lse, delta))
-        dsinks = -(cupy.exp(p.options.sinks[None, :, None] - lse3) * delta3).sum(axis=(0, 2))
+        dsinks = -(cupy.exp(sinks[None, :, None] - lse3) * delta3).sum(axis=(0, 2))
     return dq, dk, dv, dsinks
 
 

@@ -51,7 +51,11 @@ DECODE_OWN_FIELDS = (
     + [(name, I32) for name in ("page_size", "page_div_shift", "seqlen_new", "num_splits", "heads_per_block", "rotary_dim",
                                 "rotary_interleaved", "rotary_q_per_row")]
 )
-FWD_OUTPUTS = ("out", "lse")  # the FwdParams pointers to the buffers a forward call allocates
+# The pointer fields that name buffers a call allocates (or the caller's outputs), with the name of
+# the buffer each holds (replay.Buffers): a kept call writes them afresh each time.
+FWD_BUFFERS = {"out": "out", "lse": "lse"}
+BWD_BUFFERS = {"dq": "dq", "dk": "dk_heads", "dv": "dv_heads", "dk_kv": "dk", "dv_kv": "dv", "delta": "delta",
+               "dq_accum": "dq_accum", "dq_semaphore": "semaphore"}
 STRUCTS = {"FwdParams": (FWD_FIELDS, None), "BwdParams": (BWD_OWN_FIELDS, "FwdParams"),
            "DecodeParams": (DECODE_OWN_FIELDS, "FwdParams")}
 
@@ -77,10 +81,13 @@ def record_dtype(struct: str) -> np.dtype:
                      "itemsize": -(-offset // align) * align}, align=True)
 
 
-def pointer_offsets(struct: str, names) -> dict:
-    """{name: byte offset} of pointer fields of the struct (where a kept launch rewrites them)."""
+def buffer_writes(struct: str, buffers: dict) -> tuple:
+    """replay.Replay's writes for the struct's buffer pointers: (byte offset, buffer name, encode) for
+    each field of `buffers` (field -> buffer name)."""
+    from .replay import pointer
+
     dtype = record_dtype(struct)
-    return {n: dtype.fields[n][1] for n in names}
+    return tuple((dtype.fields[field][1], name, pointer) for field, name in buffers.items())
 
 
 def field_names(struct: str) -> list:

@@ -1,12 +1,12 @@
-"""Calls repeated with the same inputs skip the host work: a forward's launch is kept, keyed by
-everything the launch depends on, and launched again with only its fresh output buffers rewritten.
+"""Calls repeated with the same inputs skip the host work: a call's launches are kept, keyed by
+everything they depend on, and launched again with only the buffers the call allocates rewritten.
 
-Validating, describing the problem, choosing the family and packing the parameters cost about
-0.2-0.3 ms of Python per forward, more than the GPU time of a forward of 1k tokens on an H100; a
-replayed call costs two allocations and a launch. The key holds the inputs' pointers, shapes,
-strides and dtypes, every option (with its type, so a value the checks would refuse never meets a
-kept launch), FLASHCUPY_BACKEND, the current device and stream: what the first call validated and
-computed from them holds again. No array is kept, only pointers and bytes.
+Validating, describing the problem, choosing the family and packing the parameters cost 0.2-0.3 ms
+of Python per forward and about 0.4 ms per backward, more than the GPU time of a forward of 1k tokens
+on an H100; a replayed call costs its allocations and its launches. The key holds the inputs'
+pointers, shapes, strides and dtypes, every option (with its type, so a value the checks would
+refuse never meets a kept launch), FLASHCUPY_BACKEND, the current device and stream: what the first
+call validated and computed from them holds again. No array is kept, only pointers and bytes.
 """
 
 from __future__ import annotations
@@ -19,54 +19,82 @@ import numpy as np
 
 from .problem import BACKEND_ENV
 
-MAX_KEPT = 256  # launches kept, the least recently used dropped first
+MAX_KEPT = 256  # calls kept, the least recently used dropped first
 _POINTER = struct.Struct("<Q")
 
 
-class Replay:
-    """One kernel launch kept as its argument bytes, to launch again for a call that differs only
-    in its output buffers: each output's pointer is rewritten at its byte offset in the arguments."""
+def pointer(array) -> bytes:
+    """A buffer's device address as the argument bytes hold it (None: a null pointer)."""
+    return _POINTER.pack(0 if array is None else array.data.ptr)
 
-    def __init__(self, kernel, plan, args: bytes, pointer_offsets: dict):
-        self.kernel, self.plan, self.args = kernel, plan, bytes(args)
-        self.pointer_offsets = dict(pointer_offsets)
+
+class Replay:
+    """One kernel launch kept as its argument bytes, to launch again over other buffers: `writes`
+    lists (byte offset, buffer name, encode), and each run writes encode(buffer) there, the buffer's
+    pointer (`pointer`) or a tensor map over it."""
+
+    def __init__(self, kernel, plan, args: bytes, writes):
+        self.kernel, self.plan, self.args, self.writes = kernel, plan, bytes(args), tuple(writes)
         self._arg_type = np.dtype((np.void, len(self.args)))
 
-    def arguments(self, **pointers) -> bytes:
-        """The argument bytes with `pointers` (output name -> device address) written in."""
+    def arguments(self, buffers: dict) -> bytes:
+        """The argument bytes with `buffers` (name -> array) written in."""
         raw = bytearray(self.args)
-        for name, offset in self.pointer_offsets.items():
-            _POINTER.pack_into(raw, offset, pointers[name])
+        for offset, name, encode in self.writes:
+            data = encode(buffers.get(name))
+            raw[offset:offset + len(data)] = data
         return bytes(raw)
 
-    def __call__(self, **pointers) -> None:
-        arg = np.frombuffer(self.arguments(**pointers), self._arg_type)[0]
+    def __call__(self, buffers: dict) -> None:
+        arg = np.frombuffer(self.arguments(buffers), self._arg_type)[0]
         self.kernel(self.plan.grid, self.plan.block, (arg,), shared_mem=self.plan.smem_bytes)
 
 
-class ForwardReplay:
-    """A forward call to repeat: its launch and the shapes of the outputs it allocates."""
+class Buffers:
+    """What a call allocates: name -> (shape, dtype, zeroed); `aliases` name buffers that are others
+    (e.g. the per-query-head dK when there are as many kv heads: dk itself). A name neither allocates
+    nor aliases reads as None (a null pointer)."""
 
-    def __init__(self, launch: Replay, out_shape: tuple, out_dtype, lse_shape: tuple):
-        self.launch, self.out_shape, self.out_dtype, self.lse_shape = launch, out_shape, out_dtype, lse_shape
+    def __init__(self, specs: dict, aliases: dict | None = None):
+        self.specs, self.aliases = dict(specs), dict(aliases or {})
 
-    def __call__(self, return_lse: bool):
+    def allocate(self, given: dict) -> dict:
+        """The buffers: those in `given` (arrays or None) as given where not None, the others new."""
         import cupy
 
-        out = cupy.empty(self.out_shape, dtype=self.out_dtype)
-        lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
-        self.launch(out=out.data.ptr, lse=lse.data.ptr)
-        return (out, lse) if return_lse else out
+        out = {}
+        for name, (shape, dtype, zeroed) in self.specs.items():
+            if given.get(name) is not None:
+                out[name] = given[name]
+            else:
+                out[name] = (cupy.zeros if zeroed else cupy.empty)(shape, dtype)
+        for name, target in self.aliases.items():
+            out[name] = out[target]
+        return out
+
+
+class CallReplay:
+    """A call's buffers and launches, to run again: allocate (keeping the caller's outputs), launch
+    in order, hand the buffers back."""
+
+    def __init__(self, buffers: Buffers, launches):
+        self.buffers, self.launches = buffers, tuple(launches)
+
+    def __call__(self, given: dict) -> dict:
+        buffers = self.buffers.allocate(given)
+        for launch in self.launches:
+            launch(buffers)
+        return buffers
 
 
 _KEPT: OrderedDict = OrderedDict()
 
 
-def call_key(arrays: tuple, options: tuple):
-    """The key of a call: for each array (CuPy arrays or None) its pointer, device, shape, strides
-    and dtype; each option with its type; FLASHCUPY_BACKEND; the current device and stream. None
-    when the call cannot be kept (an input that is not a CuPy array on the current device, an
-    option that cannot be hashed)."""
+def call_key(entry: str, arrays: tuple, options: tuple):
+    """The key of a call of `entry` (the entry point's name): for each array (CuPy arrays or None)
+    its pointer, device, shape, strides and dtype; each option with its type; FLASHCUPY_BACKEND; the
+    current device and stream. None when the call cannot be kept (an input that is not a CuPy array
+    on the current device, an option that cannot be hashed)."""
     import cupy
 
     if not all(a is None or type(a) is cupy.ndarray for a in arrays):
@@ -74,7 +102,7 @@ def call_key(arrays: tuple, options: tuple):
     device = cupy.cuda.runtime.getDevice()
     if any(a is not None and a.data.device_id != device for a in arrays):
         return None
-    parts = [None if a is None else (a.data.ptr, a.shape, a.strides, a.dtype) for a in arrays]
+    parts = [entry] + [None if a is None else (a.data.ptr, a.shape, a.strides, a.dtype) for a in arrays]
     parts.extend((type(o), tuple((type(x), x) for x in o) if type(o) is tuple else o) for o in options)
     parts.append((os.environ.get(BACKEND_ENV), device, cupy.cuda.get_current_stream().ptr))
     key = tuple(parts)

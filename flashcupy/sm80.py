@@ -15,7 +15,7 @@ from . import build, params
 from .configs import DTYPE_NAMES, MASKS, SUPPORTED_HEAD_DIMS, cpp_bool, mask_flags, smem_limit
 from .launch import LaunchPlan, grid_blocks
 from .registry import Family
-from .replay import Replay
+from .replay import Buffers, CallReplay, Replay
 
 NVRTC_OPTIONS = ("-std=c++17",)
 MIN_CAPABILITY = 80
@@ -344,8 +344,8 @@ class Sm80Forward(Family):
         plan = plan_forward(variant, problem.batch, problem.nheads, problem.max_seqlen_q)
         args = params.pack("FwdParams", params.fwd_values(problem, q, k, v, out, lse))
         launch = Replay(build.get_kernel(variant), plan, args.tobytes(),
-                        params.pointer_offsets("FwdParams", params.FWD_OUTPUTS))
-        launch(out=out.data.ptr, lse=lse.data.ptr)
+                        params.buffer_writes("FwdParams", params.FWD_BUFFERS))
+        launch({"out": out, "lse": lse})
         return launch
 
 
@@ -379,20 +379,22 @@ class Sm80Backward(Family):
         return _ci_cases(self)
 
     def run(self, problem, device, dout, q, k, v, out, lse, dq, dk, dv):
-        """dq, dk, dv written; returns D = rowsum(dO * O), laid out as the LSE."""
+        """dq, dk, dv written; returns D = rowsum(dO * O), laid out as the LSE, and the call's launches
+        (replay.CallReplay)."""
         variant = self.variant(problem, device)
 
-        def main(args, plans, dq_accum):
-            build.get_kernel(variant)(plans.main.grid, plans.main.block, args, shared_mem=plans.main.smem_bytes)
+        def main(record, writes, plans):
+            return Replay(build.get_kernel(variant), plans.main, record, writes)
 
         return run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv)
 
 
 def run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv, q_block=None):
-    """A backward around a family's main kernel: the preprocess (D, dq_accum = 0), main((BwdParams
-    record,), plans, dq_accum) (dK, dV; dQ into dq_accum), the dQ conversion and, under GQA, the
-    group sum; dq, dk, dv written, D returned (laid out as the LSE). The helpers are this family's
-    kernels.
+    """A backward around a family's main kernel: the preprocess (D, dq_accum = 0), the main kernel
+    (dK, dV; dQ into dq_accum), the dQ conversion and, under GQA, the group sum; dq, dk, dv written.
+    main(BwdParams bytes, their buffer writes, plans) gives the main kernel's Replay; the helpers are
+    this family's kernels. Returns D (laid out as the LSE) and the call's launches with the buffers
+    they need (replay.CallReplay), which run the same call again over fresh buffers.
     q_block: the main kernel's q rows per deterministic-mode semaphore (plan_backward)."""
     import cupy
 
@@ -405,27 +407,33 @@ def run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv, q_b
         p.batch, p.max_seqlen_q, p.max_seqlen_k)
     plans = plan_backward(variant, p.batch, p.nheads, p.max_seqlen_q, p.max_seqlen_k, p.nheads_k,
                           rows_q=rows_batch * rows_q, rows_k=rows_batch * rows_k, q_block=q_block)
-    delta = cupy.empty(lse.shape, cupy.float32)
-    dq_accum = cupy.empty((*q.shape[:-1], p.head_dim), cupy.float32)
-    semaphore = cupy.zeros(plans.semaphores, cupy.int32) if p.options.deterministic else None
-    # Under GQA the main kernel writes dK, dV per query head; the group sum adds each group.
-    per_head_shape = (*k.shape[:-2], p.nheads, p.head_dim)
-    dk_heads = cupy.empty(per_head_shape, q.dtype) if p.is_gqa else dk
-    dv_heads = cupy.empty(per_head_shape, q.dtype) if p.is_gqa else dv
-    values = params.bwd_values(p, dout, q, k, v, out, lse, delta, dq_accum, dq, dk_heads, dv_heads, dk, dv,
-                               semaphore, rows_batch, rows_q, rows_k)
-    args = (params.pack("BwdParams", values),)
-
-    def launch(kernel, plan):
-        helper = BwdHelperVariant(kernel, p.head_dim, p.dtype)
-        build.get_kernel(helper)(plan.grid, plan.block, args, shared_mem=plan.smem_bytes)
-
-    launch("flash_bwd_preprocess_kernel", plans.preprocess)  # D, and dq_accum = 0
-    main(args, plans, dq_accum)                               # dK, dV; dQ into dq_accum
-    launch("flash_bwd_convert_dq_kernel", plans.convert_dq)  # dQ = dq_accum * scale
+    # What the call allocates besides dq, dk, dv: D, the float32 dQ accumulator, the deterministic
+    # mode's semaphores, and under GQA dK, dV per query head (the group sum adds each group).
+    specs = {"dq": (q.shape, q.dtype, False), "dk": (k.shape, k.dtype, False), "dv": (v.shape, v.dtype, False),
+             "delta": (lse.shape, cupy.float32, False), "dq_accum": ((*q.shape[:-1], p.head_dim), cupy.float32, False)}
+    if p.options.deterministic:
+        specs["semaphore"] = (plans.semaphores, cupy.int32, True)
     if p.is_gqa:
-        launch("flash_bwd_group_sum_kernel", plans.group_sum)
-    return delta
+        per_head_shape = (*k.shape[:-2], p.nheads, p.head_dim)
+        specs.update(dk_heads=(per_head_shape, q.dtype, False), dv_heads=(per_head_shape, q.dtype, False))
+    buffers = Buffers(specs, aliases={} if p.is_gqa else {"dk_heads": "dk", "dv_heads": "dv"})
+    b = buffers.allocate({"dq": dq, "dk": dk, "dv": dv})
+    values = params.bwd_values(p, dout, q, k, v, out, lse, b["delta"], b["dq_accum"], b["dq"], b["dk_heads"],
+                               b["dv_heads"], b["dk"], b["dv"], b.get("semaphore"), rows_batch, rows_q, rows_k)
+    record = params.pack("BwdParams", values).tobytes()
+    writes = params.buffer_writes("BwdParams", params.BWD_BUFFERS)
+
+    def helper(kernel, plan):
+        return Replay(build.get_kernel(BwdHelperVariant(kernel, p.head_dim, p.dtype)), plan, record, writes)
+
+    launches = [helper("flash_bwd_preprocess_kernel", plans.preprocess),  # D, and dq_accum = 0
+                main(record, writes, plans),                              # dK, dV; dQ into dq_accum
+                helper("flash_bwd_convert_dq_kernel", plans.convert_dq)]  # dQ = dq_accum * scale
+    if p.is_gqa:
+        launches.append(helper("flash_bwd_group_sum_kernel", plans.group_sum))
+    for launch in launches:
+        launch(b)
+    return b["delta"], CallReplay(buffers, launches)
 
 
 def _ci_cases(family) -> list:

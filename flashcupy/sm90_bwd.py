@@ -17,8 +17,9 @@ import numpy as np
 from . import build, sm80
 from .configs import cpp_bool, mask_flags
 from .launch import LaunchPlan, grid_blocks
-from .sm90_fwd import (ARCH, NVRTC_OPTIONS, SECTIONS_FROM_QUERIES, HopperFamily, args_with_maps, hopper_unsupported,
-                       pairs_in_l2, tensor_map_of)
+from .replay import Replay
+from .sm90_fwd import (ARCH, NVRTC_OPTIONS, SECTIONS_FROM_QUERIES, TMA_BYTES, HopperFamily, args_with_maps,
+                       hopper_unsupported, pairs_in_l2, tensor_map_of)
 
 HEAD_DIMS = (64, 128, 256)
 # Keys per thread block: 128 (64 per consumer warpgroup, on the wgmma's M) up to head dim 128; 48 at
@@ -131,7 +132,8 @@ class Sm90Backward(HopperFamily):
                 for det in deterministic for mod in score_mods]
 
     def run(self, problem, device, dout, q, k, v, out, lse, dq, dk, dv):
-        """dq, dk, dv written; returns D = rowsum(dO * O), laid out as the LSE."""
+        """dq, dk, dv written; returns D = rowsum(dO * O), laid out as the LSE, and the call's launches
+        (replay.CallReplay)."""
         var = self.variant(problem, device)
         blocks = grid_blocks(-(-problem.max_seqlen_k // var.block_n) * problem.nheads * problem.batch,
                              "the backward's key blocks")
@@ -139,9 +141,12 @@ class Sm90Backward(HopperFamily):
         maps = (tensor_map_of(q, problem.dtype, var.block_m), tensor_map_of(k, problem.dtype, var.block_n),
                 tensor_map_of(v, problem.dtype, var.block_n), tensor_map_of(dout, problem.dtype, var.block_m))
 
-        def main(args, plans, dq_accum):
-            kernel_args = pack_args(args[0].tobytes(), section_heads(problem, var.mask, var.deterministic),
-                                    maps + (tensor_map_of(dq_accum, "float32", DQ_ROWS),))
-            build.get_kernel(var)(plan.grid, plan.block, (kernel_args,), shared_mem=plan.smem_bytes)
+        def main(record, writes, plans):
+            # dq_accum's tensor map, the last, is written with the buffer: a call allocates its own
+            kernel_args = pack_args(record, section_heads(problem, var.mask, var.deterministic),
+                                    maps + (bytes(TMA_BYTES),))
+            dq_accum_map = (ARGS_TMA_OFFSET + len(maps) * TMA_BYTES, "dq_accum",
+                            lambda dq_accum: tensor_map_of(dq_accum, "float32", DQ_ROWS))
+            return Replay(build.get_kernel(var), plan, kernel_args.tobytes(), writes + (dq_accum_map,))
 
         return sm80.run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv, q_block=var.block_m)

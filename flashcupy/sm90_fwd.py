@@ -302,6 +302,6 @@ class Sm90Forward(HopperFamily):
         args = pack_args(record, section_heads(problem, var.mask), counter, maps)
         # FwdParams opens Sm90FwdArgs: its pointer offsets hold in the whole argument
         launch = Replay(build.get_kernel(var), plan, args.tobytes(),
-                        params.pointer_offsets("FwdParams", params.FWD_OUTPUTS))
-        launch(out=out.data.ptr, lse=lse.data.ptr)
+                        params.buffer_writes("FwdParams", params.FWD_BUFFERS))
+        launch({"out": out, "lse": lse})
         return launch

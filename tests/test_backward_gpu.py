@@ -98,10 +98,11 @@ def test_large_batch_heads_and_scale():
 def test_sections_of_the_block_order(head_dim, backward_family, monkeypatch):
     """The sm90 backward's block order in sections narrower than the problem (the last one narrower
     still): every key block of every pair runs once, against the reference."""
-    from flashcupy import sm90_bwd
+    from flashcupy import replay, sm90_bwd
 
     if backward_family != "sm90":
         pytest.skip("the section order is the sm90 backward's")
+    replay.clear()  # a kept call of an earlier test's arrays would not ask for the sections
     asked = []
     monkeypatch.setattr(sm90_bwd, "section_heads", lambda problem, mask, deterministic: asked.append(mask) or 3)
     rng = np.random.default_rng(head_dim + 5)
@@ -217,3 +218,65 @@ def test_memory_is_linear_in_seqlen():
     assert extra < 65536 * 65536 // 64  # far below any N x N buffer
     for g in grads:
         assert bool(cupy.isfinite(g.astype(cupy.float32)).all())
+
+
+@pytest.mark.parametrize("options", [dict(causal=False), dict(causal=True, deterministic=True)], ids=["plain", "det"])
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_a_repeated_backward_replays_its_launches(options, gqa, monkeypatch):
+    """A backward with the arrays and options of the last one skips the host work (no problem is
+    described again), allocates fresh gradients and scratch (the dQ accumulator poisoned, the
+    deterministic mode's semaphores zeroed again), and computes from the arrays' current contents;
+    given outputs are written in place; other options take the full path."""
+    import os
+
+    import cupy
+
+    import flashcupy
+    from flashcupy import replay
+    from flashcupy.problem import Problem
+    from flashcupy.reference import attention_bwd_ref
+
+    rng = np.random.default_rng(77 + gqa)
+    q = randn(rng, (2, 129, 4, 64), "bfloat16")
+    k, v = (randn(rng, (2, 129, 2 if gqa else 4, 64), "bfloat16") for _ in range(2))
+    skip_unless_served("bwd", os.environ["FLASHCUPY_BACKEND"], q, k, **options)
+    described, padded = [], Problem.padded
+    monkeypatch.setattr(Problem, "padded", lambda *a, **kw: described.append(1) or padded(*a, **kw))
+    replay.clear()
+    causal = options["causal"]
+    out, lse = flashcupy.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    dout = randn(rng, q.shape, "bfloat16")
+    scratch = ((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (lse.shape, cupy.float32),
+               (q.shape, cupy.float32), ((2, 129, 4, 64), q.dtype))
+    first = flashcupy.flash_attn_backward(dout, q, k, v, out, lse, **options)
+    calls = len(described)
+    for _ in range(2):
+        poison_pool(*scratch)
+        again = flashcupy.flash_attn_backward(dout, q, k, v, out, lse, **options)
+        assert all(a.data.ptr != f.data.ptr for a, f in zip(again, first))
+        for a, f in zip(again, first):  # the same up to the order of float32 atomics (bits: deterministic)
+            diff = np.abs(to_host64(a) - to_host64(f)).max() / np.abs(to_host64(f)).max()
+            assert diff == 0 if options.get("deterministic") else diff < 1e-2, diff
+    assert len(described) == calls
+
+    def check(grads, dout):
+        refs = attention_bwd_ref(to_host64(dout), to_host64(q), to_host64(k), to_host64(v), causal=causal)
+        for name, g, ref in zip(("dq", "dk", "dv"), grads, refs):
+            host = to_host64(g)
+            assert not np.isnan(host).any(), f"{name}: unwritten (poisoned) or NaN elements"
+            assert grad_rel_err(host, ref, refs[2]) < GRAD_TOL["bfloat16"], name
+
+    dout[...] = randn(rng, q.shape, "bfloat16")  # new contents in the same buffer: read afresh
+    poison_pool(*scratch)
+    check(flashcupy.flash_attn_backward(dout, q, k, v, out, lse, **options), dout)
+    given = [cupy.full(a.shape, np.nan, a.dtype) for a in (q, k, v)]
+    for _ in range(2):  # the caller's outputs, written in place by the full path, then the kept one
+        grads = flashcupy.flash_attn_backward(dout, q, k, v, out, lse, dq=given[0], dk=given[1], dv=given[2],
+                                              **options)
+        assert all(g is a for g, a in zip(grads, given))
+        check(grads, dout)
+        for a in given:
+            a.fill(np.nan)
+    assert len(described) == calls + 1
+    flashcupy.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale=0.125, **options)
+    assert len(described) == calls + 2

@@ -7,6 +7,13 @@ from flashcupy import params, replay
 from flashcupy.launch import LaunchPlan
 
 
+class FakeArray:
+    """What a write reads of an array: its device address."""
+
+    def __init__(self, ptr):
+        self.data = type("Pointer", (), {"ptr": ptr})()
+
+
 class FakeKernel:
     def __init__(self):
         self.calls = []
@@ -15,15 +22,15 @@ class FakeKernel:
         self.calls.append((grid, block, args, shared_mem))
 
 
-def test_a_replay_rewrites_only_the_output_pointers():
-    offsets = params.pointer_offsets("FwdParams", params.FWD_OUTPUTS)
+def test_a_replay_rewrites_only_the_buffers_pointers():
+    writes = params.buffer_writes("FwdParams", params.FWD_BUFFERS)
     dtype = params.record_dtype("FwdParams")
-    assert all(dtype.fields[n][0] == np.uint64 for n in params.FWD_OUTPUTS)
+    assert all(dtype.fields[field][0] == np.uint64 for field in params.FWD_BUFFERS)
     args = bytes(range(256)) * (dtype.itemsize // 256 + 1)
     args = args[:dtype.itemsize + 40]  # what follows the struct (an sm90 argument's tail) stays too
     kernel, plan = FakeKernel(), LaunchPlan((132, 1, 1), (384, 1, 1), 200000)
-    launch = replay.Replay(kernel, plan, args, offsets)
-    launch(out=0x7F0012345600, lse=0x7F00ABCDEF00)
+    launch = replay.Replay(kernel, plan, args, writes)
+    launch({"out": FakeArray(0x7F0012345600), "lse": FakeArray(0x7F00ABCDEF00)})
     (grid, block, (arg,), smem), = kernel.calls
     assert (grid, block, smem) == (plan.grid, plan.block, plan.smem_bytes)
     raw = arg.tobytes()
@@ -31,8 +38,38 @@ def test_a_replay_rewrites_only_the_output_pointers():
     record = np.frombuffer(raw[:dtype.itemsize], dtype)[0]
     assert record["out"] == 0x7F0012345600 and record["lse"] == 0x7F00ABCDEF00
     changed = {i for i in range(len(args)) if raw[i] != args[i]}
-    allowed = {o + i for o in offsets.values() for i in range(8)}
+    allowed = {offset + i for offset, _, _ in writes for i in range(8)}
     assert changed and changed <= allowed
+
+
+def test_writes_fill_backward_fields_from_their_buffers_and_other_encodings():
+    writes = params.buffer_writes("BwdParams", params.BWD_BUFFERS)
+    dtype = params.record_dtype("BwdParams")
+    args = bytes(dtype.itemsize + 128)
+    tail = (dtype.itemsize, "dq_accum", lambda a: bytes([a.data.ptr % 251]) * 128)  # a tensor map, say
+    launch = replay.Replay(FakeKernel(), LaunchPlan((1, 1, 1), (1, 1, 1), 0), args, writes + (tail,))
+    buffers = {name: FakeArray(0x1000 * (i + 1)) for i, name in enumerate(sorted(set(params.BWD_BUFFERS.values())))}
+    buffers["semaphore"] = None  # not allocated: a null pointer
+    raw = launch.arguments(buffers)
+    record = np.frombuffer(raw[:dtype.itemsize], dtype)[0]
+    for field, name in params.BWD_BUFFERS.items():
+        assert record[field] == (0 if buffers[name] is None else buffers[name].data.ptr), field
+    assert raw[dtype.itemsize:] == bytes([buffers["dq_accum"].data.ptr % 251]) * 128
+    assert record["q"] == 0 and record["max_seqlen_q"] == 0  # everything else as kept
+
+
+def test_buffers_keep_the_callers_outputs_and_alias(monkeypatch):
+    import cupy
+
+    made = []
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype: made.append(("empty", shape)) or FakeArray(len(made)))
+    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype: made.append(("zeros", shape)) or FakeArray(len(made)))
+    buffers = replay.Buffers({"dq": ((2, 3), "f2", False), "dk": ((4,), "f2", False), "sem": ((5,), "i4", True)},
+                             aliases={"dk_heads": "dk"})
+    mine = FakeArray(99)
+    b = buffers.allocate({"dq": mine, "dk": None})
+    assert b["dq"] is mine and b["dk_heads"] is b["dk"]
+    assert made == [("empty", (4,)), ("zeros", (5,))]
 
 
 @pytest.fixture
@@ -48,23 +85,25 @@ OPTIONS = (None, True, (-1, -1), "bottom_right", 0.0, None)
 
 
 def test_the_key_tells_apart_what_the_checks_tell_apart(no_gpu_needed, monkeypatch):
-    key = replay.call_key((None, None), OPTIONS)
-    assert key == replay.call_key((None, None), OPTIONS) and hash(key) == hash(replay.call_key((None, None), OPTIONS))
+    key = replay.call_key("f", (None, None), OPTIONS)
+    assert key == replay.call_key("f", (None, None), OPTIONS)
+    assert hash(key) == hash(replay.call_key("f", (None, None), OPTIONS))
+    assert replay.call_key("g", (None, None), OPTIONS) != key  # another entry point
     other = [(None, 1, (-1, -1), "bottom_right", 0.0, None),  # equal values of other types
              (None, True, (np.int64(-1), -1), "bottom_right", 0.0, None),
              (None, True, (-1, -1), "bottom_right", 0, None),
              (0.125, True, (-1, -1), "bottom_right", 0.0, None),
              (None, True, (-1, -1), "top_left", 0.0, None),
              (None, True, (-1, -1), "bottom_right", 0.0, "sm80")]
-    assert len({key, *(replay.call_key((None, None), o) for o in other)}) == 1 + len(other)
+    assert len({key, *(replay.call_key("f", (None, None), o) for o in other)}) == 1 + len(other)
     monkeypatch.setenv("FLASHCUPY_BACKEND", "sm80")
-    assert replay.call_key((None, None), OPTIONS) != key
+    assert replay.call_key("f", (None, None), OPTIONS) != key
 
 
 def test_calls_that_cannot_be_kept_have_no_key(no_gpu_needed):
     host = np.zeros((1, 4, 1, 64), np.float16)
-    assert replay.call_key((host, None), OPTIONS) is None  # the full path refuses it, saying why
-    assert replay.call_key((None, None), (None, True, [-1, -1], "bottom_right", 0.0, None)) is None
+    assert replay.call_key("f", (host, None), OPTIONS) is None  # the full path refuses it, saying why
+    assert replay.call_key("f", (None, None), (None, True, [-1, -1], "bottom_right", 0.0, None)) is None
     assert replay.find(None) is None
     replay.keep(None, object())
     assert not replay._KEPT
