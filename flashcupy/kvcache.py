@@ -14,8 +14,9 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from . import build, params, sm80
+from . import build, params, replay, sm80
 from .configs import cpp_bool, mask_flags
+from .launch import LaunchPlan
 from .problem import AttentionOptions, Problem
 
 HEAD_DIMS = (32, 64, 128, 256)  # a block's threads copy whole rows of 16-byte chunks
@@ -446,6 +447,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     from .device import device_info
     from .validation import ArraySpec, check_band, check_kvcache_inputs, check_kvcache_values, check_softcap
 
+    # A decode loop (check_values=False, index arrays on the GPU) repeats its calls: the launches of a
+    # call with the same arrays and options run again without the checks and the planning.
+    key = None if check_values is not False else replay.call_key(
+        "flash_attn_with_kvcache", (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
+                                    block_table, rotary_cos, rotary_sin, alibi_slopes, sinks),
+        (rotary_interleaved, softmax_scale, causal, window_size, softcap, num_splits))
+    kept = replay.find(None if cache_seqlens is None else key)
+    if kept is not None:
+        b = kept({})
+        return (b["out"], b["lse"]) if return_lse else b["out"]
     arrays = {name: None if a is None else as_device_array(a, name)
               for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                               ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("alibi_slopes", alibi_slopes),
@@ -504,23 +515,34 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         if reason is not None:
             raise ValueError(f"flash_attn_with_kvcache cannot run on {info.name}: {reason}")
         if out.size or seqlen_new:
-            _launch(problem, q, k_cache, v_cache, k, v, seqlens_d, idx_d, pad_d, bt_d, rotary_cos, rotary_sin,
-                    bool(rotary_interleaved), windowed, int(num_splits), out, lse, info)
+            launches = _launch(problem, q, k_cache, v_cache, k, v, seqlens_d, idx_d, pad_d, bt_d, rotary_cos,
+                               rotary_sin, bool(rotary_interleaved), windowed, int(num_splits), out, lse, info)
+            replay.keep(None if cache_seqlens is None else key, launches)
     return (out, lse) if return_lse else out
 
 
 def _launch(problem, q, k_cache, v_cache, k, v, seqlens, batch_idx, leftpad, block_table, rotary_cos, rotary_sin,
-            interleaved, windowed, num_splits, out, lse, device):
+            interleaved, windowed, num_splits, out, lse, device) -> replay.CallReplay:
+    """Launches the call's kernels (append, rotary, attention); returns them with the buffers they
+    allocate, to run again (replay.py)."""
     import cupy
 
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k = k_cache.shape[2]
     plan = plan_launch(problem, num_splits, device)
     main, pack, m_blocks, splits = plan.kernel, plan.pack, plan.m_blocks, plan.splits
-    q_eff = q if rotary_cos is None else cupy.empty(q.shape, q.dtype)
     partial = splits > 1 and main.cluster == 1  # a cluster merges in shared memory
-    out_partial = cupy.empty((splits, batch, nheads, seqlen_q, head_dim), cupy.float32) if partial else None
-    lse_partial = cupy.empty((splits, batch, nheads, seqlen_q), cupy.float32) if partial else None
+    # What the call allocates: out and the LSE; the rotated queries; the splits' partial results
+    specs = {"out": (out.shape, out.dtype, False), "lse": (lse.shape, lse.dtype, False)}
+    if rotary_cos is not None:
+        specs["q_rotated"] = (q.shape, q.dtype, False)
+    if partial:
+        specs["out_partial"] = ((splits, batch, nheads, seqlen_q, head_dim), cupy.float32, False)
+        specs["lse_partial"] = ((splits, batch, nheads, seqlen_q), cupy.float32, False)
+    buffers = replay.Buffers(specs)
+    b = buffers.allocate({"out": out, "lse": lse})
+    q_eff = q if rotary_cos is None else b["q_rotated"]
+    out_partial, lse_partial = b.get("out_partial"), b.get("lse_partial")
     paged = block_table is not None
     page_size = k_cache.shape[1] if paged else 0
     div_mul, div_shift = page_divider(page_size) if paged else (0, 0)
@@ -540,18 +562,27 @@ def _launch(problem, q, k_cache, v_cache, k, v, seqlens, batch_idx, leftpad, blo
         "rotary_dim": 0 if rotary_cos is None else 2 * rotary_cos.shape[1], "rotary_interleaved": int(interleaved),
         "rotary_q_per_row": int(windowed),
     })
-    record = params.pack("DecodeParams", values)
+    record = params.pack("DecodeParams", values).tobytes()
+    # with rotary the attention reads the rotated queries as q
+    fields = {**params.DECODE_BUFFERS, **({"q": "q_rotated"} if rotary_cos is not None else {})}
+    writes = params.buffer_writes("DecodeParams", fields)
     dtype = problem.dtype
     threads = head_dim // 8  # 16 bytes each
+    launches = []
     if k is not None and k.size:
-        build.get_kernel(DecodeHelper("kvcache_append_kernel", dtype))((k.shape[1], nheads_k, batch), (threads,),
-                                                                       (record,))
-    if not out.size:
-        return
-    if rotary_cos is not None:
-        build.get_kernel(DecodeHelper("rotary_q_kernel", dtype))((seqlen_q, nheads, batch), (threads,), (record,))
-    build.get_kernel(main)((m_blocks * splits, nheads // pack, batch), (main.threads,), (record,),
-                           shared_mem=main.smem_bytes)
+        launches.append(replay.Replay(build.get_kernel(DecodeHelper("kvcache_append_kernel", dtype)),
+                                      LaunchPlan((k.shape[1], nheads_k, batch), (threads, 1, 1), 0), record, writes))
+    if out.size:
+        if rotary_cos is not None:
+            launches.append(replay.Replay(build.get_kernel(DecodeHelper("rotary_q_kernel", dtype)),
+                                          LaunchPlan((seqlen_q, nheads, batch), (threads, 1, 1), 0), record, writes))
+        launches.append(replay.Replay(build.get_kernel(main), LaunchPlan((m_blocks * splits, nheads // pack, batch),
+                                                                         (main.threads, 1, 1), main.smem_bytes),
+                                      record, writes))
+    call = replay.CallReplay(buffers, launches)
+    for launch in launches:
+        launch(b)
+    return call
 
 
 def _strides_or_zero(array) -> tuple:

@@ -56,6 +56,8 @@ DECODE_OWN_FIELDS = (
 FWD_BUFFERS = {"out": "out", "lse": "lse"}
 BWD_BUFFERS = {"dq": "dq", "dk": "dk_heads", "dv": "dv_heads", "dk_kv": "dk", "dv_kv": "dv", "delta": "delta",
                "dq_accum": "dq_accum", "dq_semaphore": "semaphore"}
+DECODE_BUFFERS = {"out": "out", "lse": "lse", "q_rotated": "q_rotated", "out_partial": "out_partial",
+                  "lse_partial": "lse_partial"}
 STRUCTS = {"FwdParams": (FWD_FIELDS, None), "BwdParams": (BWD_OWN_FIELDS, "FwdParams"),
            "DecodeParams": (DECODE_OWN_FIELDS, "FwdParams")}
 

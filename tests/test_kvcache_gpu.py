@@ -296,3 +296,56 @@ def test_staged_decode_kernels_fit_their_register_bound():
             kernel = build.get_kernel(v)
             regs = getattr(kernel, "num_regs", None) or kernel.attributes["num_regs"]
             assert regs <= kvcache.STAGED_REGISTERS, (v, regs)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("paged, rotary", [(False, False), (True, True)], ids=["contiguous", "paged-rotary"])
+def test_a_decode_loop_replays_its_launches(num_splits, paged, rotary, monkeypatch):
+    """Decode steps with the same arrays (check_values=False, index arrays on the GPU) skip the checks
+    and the planning after the first, and still read the arrays' current contents: each step appends
+    at the cache_seqlens it finds, rotates there, and attends over the grown cache into fresh outputs."""
+    import cupy
+
+    import flashcupy
+    from flashcupy import replay, validation
+    from flashcupy.decode_ref import kvcache_ref
+
+    rng = np.random.default_rng(23 + paged + 2 * num_splits)
+    batch, nheads, nheads_k, d, capacity = 2, 8, 2, 128, 64
+    q = randn(rng, (batch, 1, nheads, d), "bfloat16")
+    k, v = (randn(rng, (batch, 1, nheads_k, d), "bfloat16") for _ in range(2))
+    if paged:
+        table = rng.permutation(batch * 4).reshape(batch, 4).astype(np.int32)  # pages of 16
+        k_cache, v_cache = (randn(rng, (batch * 4, 16, nheads_k, d), "bfloat16") for _ in range(2))
+    else:
+        table = None
+        k_cache, v_cache = (randn(rng, (batch, capacity, nheads_k, d), "bfloat16") for _ in range(2))
+    cos = sin = None
+    if rotary:
+        angle = rng.standard_normal((capacity, 32)).astype(np.float32)
+        cos, sin = (cupy.asarray(f(angle)).astype(q.dtype) for f in (np.cos, np.sin))
+    seqlens = np.array([5, 40], np.int32)
+    seqlens_d = cupy.asarray(seqlens)
+    step = dict(cache_seqlens=seqlens_d, block_table=None if table is None else cupy.asarray(table), rotary_cos=cos,
+                rotary_sin=sin, causal=True, num_splits=num_splits, return_lse=True, check_values=False)
+    checked, check = [], validation.check_kvcache_inputs
+    monkeypatch.setattr(validation, "check_kvcache_inputs", lambda *a: checked.append(1) or check(*a))
+    replay.clear()
+    outputs = []
+    for i in range(3):
+        for a in (q, k, v):  # new contents in the same buffers
+            a[...] = randn(rng, a.shape, "bfloat16")
+        k_host, v_host = to_host64(k_cache), to_host64(v_cache)
+        ref_out, ref_lse, ref_k, ref_v = kvcache_ref(
+            to_host64(q), k_host, v_host, to_host64(k), to_host64(v), cache_seqlens=seqlens, block_table=table,
+            rotary_cos=None if cos is None else to_host64(cos), rotary_sin=None if sin is None else to_host64(sin),
+            causal=True)
+        out, lse = flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **step)
+        assert all(out.data.ptr != o.data.ptr for o in outputs)
+        outputs.append(out)
+        assert rel_err(to_host64(out), ref_out) < REL_TOL["bfloat16"], f"step {i}"
+        check_lse(lse, ref_lse)
+        assert np.array_equal(to_host64(v_cache), ref_v), f"step {i}: v_cache differs from the reference's append"
+        seqlens += 1
+        seqlens_d += 1  # the loop's own update, on the device
+    assert len(checked) == 1
