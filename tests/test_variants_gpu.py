@@ -275,3 +275,46 @@ def test_backend_forcing(monkeypatch):
     monkeypatch.delenv("FLASHCUPY_BACKEND")
     with pytest.raises(ValueError, match="backend= 'nonesuch' is not a fwd kernel family"):
         flashcupy.flash_attn_func(q, k, v, backend="nonesuch")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_repeated_varlen_calls_replay_their_launches(causal, monkeypatch):
+    """Varlen calls with check_cu_seqlens=False and the same arrays skip the host work after the
+    first, forward and backward, and read the arrays' current contents, the lengths in cu_seqlens
+    included (other lengths, same totals, same buffers)."""
+    import cupy
+
+    import flashcupy
+    from flashcupy import replay
+    from flashcupy.problem import Problem
+    from flashcupy.reference import attention_varlen_bwd_ref, attention_varlen_ref
+
+    described, varlen = [], Problem.varlen
+    monkeypatch.setattr(Problem, "varlen", lambda *a, **kw: described.append(1) or varlen(*a, **kw))
+    replay.clear()
+    rng = np.random.default_rng(5 + causal)
+    configs = (([17, 1, 129], [40, 1, 129]), ([100, 40, 7], [10, 150, 10]))
+    q = _packed(rng, configs[0][0], 4, 64, "bfloat16")
+    k, v = (_packed(rng, configs[0][1], 2, 64, "bfloat16") for _ in range(2))
+    dout = randn(rng, q.shape, "bfloat16")
+    cu_q, cu_k = _cu(configs[0][0]), _cu(configs[0][1])
+    sizes = (cu_q, cu_k, 200, 200)  # bounds of every length below
+    for lengths_q, lengths_k in configs:
+        cu_q[...], cu_k[...] = _cu(lengths_q), _cu(lengths_k)
+        for a in (q, k, v, dout):
+            a[...] = randn(rng, a.shape, "bfloat16")
+        host = [to_host64(a) for a in (q, k, v, dout)] + [cupy.asnumpy(cu_q), cupy.asnumpy(cu_k)]
+        poison_pool((q.shape, q.dtype), ((4, q.shape[0]), cupy.float32))
+        out, lse = flashcupy.flash_attn_varlen_func(q, k, v, *sizes, causal=causal, return_lse=True,
+                                                    check_cu_seqlens=False)
+        ref_out, ref_lse = attention_varlen_ref(*host[:3], *host[4:], causal=causal)
+        assert rel_err(to_host64(out), ref_out) < REL_TOL["bfloat16"], lengths_q
+        check_lse(lse, ref_lse)
+        refs = attention_varlen_bwd_ref(host[3], *host[:3], *host[4:], causal=causal)
+        for _ in range(2):  # the second call with these out and lse is kept
+            poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (q.shape, cupy.float32))
+            grads = flashcupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, *sizes, causal=causal,
+                                                         check_cu_seqlens=False)
+            check_grads(grads, refs, "bfloat16", f"lengths {lengths_q}")
+    # described: the first forward, and the first backward over each forward's out and LSE
+    assert len(described) == 3
