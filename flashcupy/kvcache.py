@@ -448,15 +448,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     from .validation import ArraySpec, check_band, check_kvcache_inputs, check_kvcache_values, check_softcap
 
     # A decode loop (check_values=False, index arrays on the GPU) repeats its calls: the launches of a
-    # call with the same arrays and options run again without the checks and the planning.
-    key = None if check_values is not False else replay.call_key(
+    # call with the same arrays and options run again without the checks and the planning. (Without
+    # cache_seqlens each call makes its own array of the cache's length: nothing to keep.)
+    key = None if check_values is not False or cache_seqlens is None else replay.call_key(
         "flash_attn_with_kvcache", (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad,
                                     block_table, rotary_cos, rotary_sin, alibi_slopes, sinks),
         (rotary_interleaved, softmax_scale, causal, window_size, softcap, num_splits))
-    kept = replay.find(None if cache_seqlens is None else key)
+    kept = replay.rerun_forward(key, return_lse)
     if kept is not None:
-        b = kept({})
-        return (b["out"], b["lse"]) if return_lse else b["out"]
+        return kept
     arrays = {name: None if a is None else as_device_array(a, name)
               for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                               ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("alibi_slopes", alibi_slopes),
@@ -517,7 +517,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         if out.size or seqlen_new:
             launches = _launch(problem, q, k_cache, v_cache, k, v, seqlens_d, idx_d, pad_d, bt_d, rotary_cos,
                                rotary_sin, bool(rotary_interleaved), windowed, int(num_splits), out, lse, info)
-            replay.keep(None if cache_seqlens is None else key, launches)
+            replay.keep(key, launches)
     return (out, lse) if return_lse else out
 
 

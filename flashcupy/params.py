@@ -16,6 +16,7 @@ import struct as pystruct
 import numpy as np
 
 from .build import load_source
+from .replay import pointer
 
 PTR, I64, I32, F32 = np.uint64, np.int64, np.int32, np.float32
 LOG2E = math.log2(math.e)
@@ -86,8 +87,6 @@ def record_dtype(struct: str) -> np.dtype:
 def buffer_writes(struct: str, buffers: dict) -> tuple:
     """replay.Replay's writes for the struct's buffer pointers: (byte offset, buffer name, encode) for
     each field of `buffers` (field -> buffer name)."""
-    from .replay import pointer
-
     dtype = record_dtype(struct)
     return tuple((dtype.fields[field][1], name, pointer) for field, name in buffers.items())
 

@@ -50,9 +50,9 @@ class Family:
 
     def run(self, problem, device, *arrays):
         """Launch the kernels on CuPy's current stream. Forward: q, k, v, out, lse, returning the
-        launch as a replay.Replay (what launches it again into other out and lse buffers) or None;
+        launch as a replay.Replay (what launches it again into other out and lse buffers);
         backward: dout, q, k, v, out, lse, dq, dk, dv, returning D = rowsum(dO * O) and the call's
-        launches with the buffers they allocate (replay.CallReplay) or None."""
+        launches with the buffers they allocate (replay.CallReplay)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

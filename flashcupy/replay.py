@@ -123,8 +123,22 @@ def find(key):
     return kept
 
 
+def rerun(key, given: dict | None = None) -> dict | None:
+    """The buffers of the kept call of `key` after running it again (the caller's outputs in
+    `given` used in place), or None when no call of that key is kept."""
+    kept = find(key)
+    return None if kept is None else kept(given or {})
+
+
+def rerun_forward(key, return_lse: bool):
+    """A forward's result, out (and the LSE), from the kept call of `key` run again; None when none
+    is kept."""
+    b = rerun(key)
+    return None if b is None else (b["out"], b["lse"]) if return_lse else b["out"]
+
+
 def keep(key, call) -> None:
-    if key is None or call is None:
+    if key is None:
         return
     _KEPT[key] = call
     if len(_KEPT) > MAX_KEPT:

@@ -119,3 +119,19 @@ def test_the_store_drops_the_least_recently_used(monkeypatch):
     assert replay.find(1) is None and [replay.find(i) for i in (0, 2, 3)] == ["call 0", "call 2", "call 3"]
     replay.clear()
     assert replay.find(0) is None
+
+
+def test_rerun_hands_the_callers_outputs_to_the_kept_call():
+    seen = []
+
+    def kept_call(given):
+        seen.append(given)
+        return {"out": "o", "lse": "l", **{n: a for n, a in given.items() if a is not None}}
+
+    replay.clear()
+    replay.keep("k", kept_call)
+    assert replay.rerun("k", {"dq": "mine", "dk": None}) == {"out": "o", "lse": "l", "dq": "mine"}
+    assert replay.rerun_forward("k", True) == ("o", "l") and replay.rerun_forward("k", False) == "o"
+    assert seen == [{"dq": "mine", "dk": None}, {}, {}]
+    assert replay.rerun("other") is None and replay.rerun_forward(None, True) is None
+    replay.clear()
