@@ -15,26 +15,42 @@ class FakeArray:
 
 
 class FakeKernel:
-    def __init__(self):
-        self.calls = []
+    """A RawKernel as a Replay reads it: its CUfunction for the current device."""
 
-    def __call__(self, grid, block, args, shared_mem=0):
-        self.calls.append((grid, block, args, shared_mem))
+    def __init__(self, function=0xF00):
+        self.kernel = type("Function", (), {"ptr": function})()
 
 
-def test_a_replay_rewrites_only_the_buffers_pointers():
+@pytest.fixture
+def launches(monkeypatch):
+    """The launches a Replay makes: (function, plan, the argument's bytes as the driver would read
+    them, stream), with no GPU."""
+    import ctypes
+
+    made = []
+
+    def launch_kernel(function, plan, params_address, stream):
+        argument = ctypes.c_uint64.from_address(params_address).value  # the one parameter's address
+        made.append((function, plan, ctypes.string_at(argument, 4096), stream))
+
+    monkeypatch.setattr(replay, "launch_kernel", launch_kernel)
+    return made
+
+
+def test_a_replay_rewrites_only_the_buffers_pointers(no_gpu_needed, launches):
     writes = params.buffer_writes("FwdParams", params.FWD_BUFFERS)
     dtype = params.record_dtype("FwdParams")
     assert all(dtype.fields[field][0] == np.uint64 for field in params.FWD_BUFFERS)
     args = bytes(range(256)) * (dtype.itemsize // 256 + 1)
     args = args[:dtype.itemsize + 40]  # what follows the struct (an sm90 argument's tail) stays too
-    kernel, plan = FakeKernel(), LaunchPlan((132, 1, 1), (384, 1, 1), 200000)
-    launch = replay.Replay(kernel, plan, args, writes)
-    launch({"out": FakeArray(0x7F0012345600), "lse": FakeArray(0x7F00ABCDEF00)})
-    (grid, block, (arg,), smem), = kernel.calls
-    assert (grid, block, smem) == (plan.grid, plan.block, plan.smem_bytes)
-    raw = arg.tobytes()
-    assert len(raw) == len(args)
+    plan = LaunchPlan((132, 1, 1), (384, 1, 1), 200000)
+    launch = replay.Replay(FakeKernel(0xABC), plan, args, writes)
+    buffers = {"out": FakeArray(0x7F0012345600), "lse": FakeArray(0x7F00ABCDEF00)}
+    launch(buffers)
+    (function, launched_plan, raw, stream), = launches
+    assert (function, launched_plan, stream) == (0xABC, plan, 0)
+    raw = raw[:len(args)]
+    assert raw == launch.arguments(buffers)
     record = np.frombuffer(raw[:dtype.itemsize], dtype)[0]
     assert record["out"] == 0x7F0012345600 and record["lse"] == 0x7F00ABCDEF00
     changed = {i for i in range(len(args)) if raw[i] != args[i]}
@@ -56,6 +72,23 @@ def test_writes_fill_backward_fields_from_their_buffers_and_other_encodings():
         assert record[field] == (0 if buffers[name] is None else buffers[name].data.ptr), field
     assert raw[dtype.itemsize:] == bytes([buffers["dq_accum"].data.ptr % 251]) * 128
     assert record["q"] == 0 and record["max_seqlen_q"] == 0  # everything else as kept
+
+
+def test_a_launch_writes_what_arguments_gives_each_time(no_gpu_needed, launches):
+    """The kept argument buffer is written in place: each launch carries its own buffers, a pointer
+    at an offset that is not a 64-bit word and another encoding as bytes, a null where one is gone."""
+    args = bytes(range(1, 61))
+    writes = ((0, "a", replay.pointer), (12, "b", replay.pointer),
+              (40, "map", lambda a: bytes([a.data.ptr % 251]) * 16))
+    launch = replay.Replay(FakeKernel(), LaunchPlan((2, 1, 1), (128, 1, 1), 0), args, writes)
+    runs = [{"a": FakeArray(0x1111), "b": FakeArray(0x2222), "map": FakeArray(7)},
+            {"a": FakeArray(0x3333), "b": None, "map": FakeArray(9)}]
+    for buffers in runs:
+        launch(buffers)
+    for buffers, (_, _, raw, _) in zip(runs, launches):
+        assert raw[:len(args)] == launch.arguments(buffers)
+    second = launches[1][2]
+    assert second[12:20] == bytes(8) and second[40:56] == bytes([9]) * 16 and second[20:40] == args[20:40]
 
 
 def test_buffers_keep_the_callers_outputs_and_alias(monkeypatch):
