@@ -30,7 +30,7 @@
 //
 // Shared memory holds each tile as head-dim chunks of 64 columns (128 bytes a row), the 128-byte
 // swizzle TMA writes and the wgmma descriptors read: the Q buffers, then kStages K tiles, then
-// kStages V tiles, then the mbarriers.
+// kStages V tiles, then O's tile where it fits, then the mbarriers.
 #include "sm90.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"
@@ -67,7 +67,12 @@ struct Sm90FwdTraits {
     static constexpr int kQSlots = 2 * kQBytes + 2 * kStages * kKVBytes + 2048 <= kMaxSmem ? 2 : 1;
     static constexpr int kOffK = kQSlots * kQBytes;
     static constexpr int kOffV = kOffK + kStages * kKVBytes;
-    static constexpr int kOffBar = kOffV + kStages * kKVBytes;
+    // O's tile through shared memory and out by TMA stores where it fits beside the rest (d = 64, 128):
+    // the consumers hand it over in a few stmatrix and go on; else each thread stores its fragments.
+    static constexpr int kOBytes = kBlockM * kHeadDim * 2;
+    static constexpr bool kStoreO = kOffV + kStages * kKVBytes + kOBytes + 2048 <= kMaxSmem;
+    static constexpr int kOffO = kOffV + kStages * kKVBytes;
+    static constexpr int kOffBar = kOffO + (kStoreO ? kOBytes : 0);
     // per stage K full, V full, K empty, V empty; per Q slot full, empty; per tile slot full, empty
     static constexpr int kTileSlots = 2;  // the producer announces the consumers' next tiles through these
     static constexpr int kBarriers = 4 * kStages + 2 * kQSlots + 2 * kTileSlots;
@@ -81,8 +86,8 @@ struct Sm90FwdTraits {
 };
 
 // The kernel's one parameter: the parameter struct, the tile order's section width, and the tensor
-// maps of q, k and v, each a 4-D (headdim, seqlen, heads, batch) view with the caller's strides
-// (flashcupy/sm90_fwd.py).
+// maps of q, k, v and out, each a 4-D (headdim, seqlen, heads, batch) view with the caller's
+// strides (flashcupy/sm90_fwd.py; out's only where kStoreO, else zeros).
 struct Sm90FwdArgs {
     FwdParams p;
     int section_heads;  // (head, batch) pairs whose q blocks interleave in the tile order
@@ -90,11 +95,11 @@ struct Sm90FwdArgs {
     // null: block b takes tiles b, b + gridDim.x, ...; else {next, finished}, two zeros at launch,
     // from which blocks take their next tile as they free up (and which the last block zeroes)
     int* tile_counter;
-    TmaDesc q, k, v;
+    TmaDesc q, k, v, o;
 };
 // section_heads follows FwdParams directly (its size is a multiple of its 8-byte alignment).
-static_assert(sizeof(FwdParams) + 16 <= 256 && sizeof(Sm90FwdArgs) == 256 + 3 * 128,
-              "flashcupy/sm90_fwd.py lays section_heads, tile_counter after FwdParams, the tensor maps at 256, 384, 512");
+static_assert(sizeof(FwdParams) + 16 <= 256 && sizeof(Sm90FwdArgs) == 256 + 4 * 128,
+              "flashcupy/sm90_fwd.py lays section_heads, tile_counter after FwdParams, the tensor maps at 256, 384, 512, 640");
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kPingPong, bool kAdvanceDescs, bool Is_causal,
           bool Is_local, bool Is_bf16, bool Has_score_mod>
@@ -107,7 +112,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     const FwdParams& p = args.p;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_u32(smem_raw) + 1023) & ~1023u;
-    const u32 sQ = smem, sK = smem + T::kOffK, sV = smem + T::kOffV, sBar = smem + T::kOffBar;
+    const u32 sQ = smem, sK = smem + T::kOffK, sV = smem + T::kOffV, sO = smem + T::kOffO, sBar = smem + T::kOffBar;
     auto k_full = [&](int s) { return sBar + 8 * s; };
     auto v_full = [&](int s) { return sBar + 8 * (kStages + s); };
     auto k_empty = [&](int s) { return sBar + 8 * (2 * kStages + s); };
@@ -370,8 +375,45 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
 
         float row_lse[2];
         softmax.finalize(acc_o, Has_score_mod ? 1.f : p.softmax_scale, p.sinks ? p.sinks[w.head] : -FC_INF, row_lse);
-        u16* gO = p.out + w.batch * p.o_batch_stride + w.head * p.o_head_stride + i64(w.seq.q_start) * p.o_row_stride;
         float* gLse = p.lse + w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + w.seq.q_start;
+        // A packed varlen tensor's rows past this sequence are the next one's: a box would overwrite
+        // them, so varlen stores fragments.
+        if (T::kStoreO && !p.cu_seqlens_q) {
+            // This warpgroup's 64 rows into its part of sO (each chunk's rows of the block, 128
+            // swizzled bytes a row, as TMA reads them) by stmatrix: per 16 columns four 8 x 8
+            // matrices, rows 0-7 and 8-15 of the warp, columns +0 and +8. Thread 0 of the warpgroup
+            // then stores the chunks; its next tile's first waits until they have been read.
+            const u32 sO_wg = sO + consumer * 64 * 128;
+            const int store_bar = 1 + T::kConsumerWGs + consumer;  // after the ping-pong ids
+            const bool issuer = tid % 128 == 0;
+            if (issuer) bulk_wait_read<0>();
+            named_bar_sync(store_bar, 128);
+            const int matrix = lane >> 3, row = 16 * ((tid / 32) % 4) + (lane & 7) + 8 * (matrix & 1);
+#pragma unroll
+            for (int j = 0; j < kHeadDim / 16; ++j) {
+                const int unit = (2 * j + (matrix >> 1)) % 8;  // 16-byte column unit in the chunk
+                stmatrix_x4(sO_wg + (j / 4) * kBlockM * 128 + row * 128 + ((unit ^ (row & 7)) << 4),
+                            pack_f32x2<Is_bf16>(acc_o[0][2 * j][0], acc_o[0][2 * j][1]),
+                            pack_f32x2<Is_bf16>(acc_o[0][2 * j][2], acc_o[0][2 * j][3]),
+                            pack_f32x2<Is_bf16>(acc_o[0][2 * j + 1][0], acc_o[0][2 * j + 1][1]),
+                            pack_f32x2<Is_bf16>(acc_o[0][2 * j + 1][2], acc_o[0][2 * j + 1][3]));
+            }
+            fence_proxy_async_shared();
+            named_bar_sync(store_bar, 128);
+            if (issuer) {
+#pragma unroll
+                for (int c = 0; c < T::kChunks; ++c)
+                    tma_store_4d(&args.o, sO_wg + c * kBlockM * 128, c * T::kChunk, row0 + 64 * consumer, w.head, w.batch);
+                bulk_commit();
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = row0 + warp_row0 + g + 8 * h;
+                if (t == 0 && r < w.seq.seqlen_q) gLse[r] = row_lse[h];
+            }
+            continue;
+        }
+        u16* gO = p.out + w.batch * p.o_batch_stride + w.head * p.o_head_stride + i64(w.seq.q_start) * p.o_row_stride;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = row0 + warp_row0 + g + 8 * h;
@@ -385,4 +427,5 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
             }
         }
     }
+    if (T::kStoreO && tid % 128 == 0) bulk_wait<0>();  // O's last stores done before the block ends
 }

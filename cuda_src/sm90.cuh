@@ -56,6 +56,13 @@ FC_DEVICE void tma_reduce_add_4d(const TmaDesc* desc, u32 src, int c0, int c1, i
                  ::"l"(desc), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                  : "memory");
 }
+// A 4-D box of shared memory at `src` stored into global memory (the tensor map's layout) by TMA;
+// coordinates past the tensor's end are dropped. A bulk group, as the reduction.
+FC_DEVICE void tma_store_4d(const TmaDesc* desc, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+                 ::"l"(desc), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
 FC_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>
 FC_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
@@ -80,6 +87,12 @@ FC_DEVICE u32 in_place(u32 x) {
 }
 FC_DEVICE void st_shared_f32x2(u32 addr, float a, float b) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+// stmatrix: 8 x 8 b16 matrices, each held as an mma fragment (lane 4 g + t: row g, columns 2 t,
+// 2 t + 1, packed); lane 8 i + r gives the address of row r of matrix i (16 bytes).
+FC_DEVICE void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 // stmatrix .trans: 8 x 8 b16 matrices, each held as an mma fragment (lane 4 g + t: row g, columns
 // 2 t, 2 t + 1, packed), stored transposed: lane 8 i + r gives the address of row r of matrix i

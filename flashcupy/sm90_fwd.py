@@ -29,7 +29,8 @@ ARCH = "sm_90a"
 HEAD_DIMS = (64, 128, 192, 256)
 SWIZZLE_BYTES = 128  # a TMA box's inner extent: one row of the 128-byte swizzle
 TMA_BYTES = 128     # one tensor map
-ARGS_TMA_OFFSET = 256  # Sm90FwdArgs: FwdParams, then the q, k, v tensor maps (64-byte aligned)
+ARGS_TMA_OFFSET = 256  # Sm90FwdArgs: FwdParams, then the q, k, v, out tensor maps (64-byte aligned)
+O_BOX_ROWS = 64  # a consumer warpgroup's rows: each stores its part of O's tile
 
 
 @dataclass(frozen=True)
@@ -65,14 +66,22 @@ def q_slots(head_dim: int, tile: Sm90FwdTile) -> int:
     return 2 if 2 * q + 2 * tile.stages * kv + 2048 <= MAX_SMEM else 1
 
 
+def stores_o(head_dim: int, tile: Sm90FwdTile) -> bool:
+    """Whether O's tile goes through shared memory and TMA stores (Sm90FwdTraits::kStoreO): where it
+    fits beside the Q buffers and the K/V stages."""
+    q, kv = tile.block_m * head_dim * 2, tile.block_n * head_dim * 2
+    return q_slots(head_dim, tile) * q + 2 * tile.stages * kv + q + 2048 <= MAX_SMEM
+
+
 def smem_bytes(head_dim: int, tile: Sm90FwdTile) -> int:
-    """The Q buffers, stages x (K, V), the mbarriers, the tile slots, and 1024 bytes to align the
-    swizzled tiles (Sm90FwdTraits in fwd_sm90.cu)."""
+    """The Q buffers, stages x (K, V), O's tile where it is staged, the mbarriers, the tile slots,
+    and 1024 bytes to align the swizzled tiles (Sm90FwdTraits in fwd_sm90.cu)."""
     q = tile.block_m * head_dim * 2
     kv = tile.block_n * head_dim * 2
     slots = q_slots(head_dim, tile)
     barriers = 4 * tile.stages + 2 * slots + 2 * TILE_SLOTS
-    return slots * q + 2 * tile.stages * kv + barriers * 8 + TILE_SLOTS * 4 + 1024
+    o = q if stores_o(head_dim, tile) else 0
+    return slots * q + 2 * tile.stages * kv + o + barriers * 8 + TILE_SLOTS * 4 + 1024
 
 
 @dataclass(frozen=True)
@@ -176,7 +185,7 @@ _ARGS_HEAD = struct.Struct(f"<{_FWD_BYTES}s i 4x Q")  # Sm90FwdArgs up to the ma
 
 def pack_args(fwd_record: np.void, section_heads: int, tile_counter: int, maps) -> np.void:
     """Sm90FwdArgs: the FwdParams record, the tile order's section width, the tile counter's address
-    (0: none), the q, k, v tensor maps."""
+    (0: none), the q, k, v, out tensor maps."""
     head = _ARGS_HEAD.pack(fwd_record.tobytes(), int(section_heads), int(tile_counter))
     return args_with_maps(head, ARGS_TMA_OFFSET, maps)
 
@@ -298,10 +307,13 @@ class Sm90Forward(HopperFamily):
         plan = LaunchPlan((blocks, 1, 1), (tile.threads, 1, 1), var.smem_bytes)
         record = params.pack("FwdParams", params.fwd_values(problem, q, k, v, out, lse))
         maps = (tensor_map_of(q, problem.dtype, tile.block_m), tensor_map_of(k, problem.dtype, tile.block_n),
-                tensor_map_of(v, problem.dtype, tile.block_n))
+                tensor_map_of(v, problem.dtype, tile.block_n), bytes(TMA_BYTES))
         args = pack_args(record, section_heads(problem, var.mask), counter, maps)
         # FwdParams opens Sm90FwdArgs: its pointer offsets hold in the whole argument
-        launch = Replay(build.get_kernel(var), plan, args.tobytes(),
-                        params.buffer_writes("FwdParams", params.FWD_BUFFERS))
+        writes = params.buffer_writes("FwdParams", params.FWD_BUFFERS)
+        if stores_o(problem.head_dim, tile):  # out's map, written with its pointer (varlen does not read it)
+            dtype = problem.dtype
+            writes += ((ARGS_TMA_OFFSET + 3 * TMA_BYTES, "out", lambda out: tensor_map_of(out, dtype, O_BOX_ROWS)),)
+        launch = Replay(build.get_kernel(var), plan, args.tobytes(), writes)
         launch({"out": out, "lse": lse})
         return launch

@@ -13,19 +13,27 @@ def problem(batch, seqlen, nheads, head_dim, **options):
 
 def test_args_layout():
     """Sm90FwdArgs: FwdParams, section_heads right after it, the tile counter 8 bytes later, the
-    three tensor maps at 256, 384 and 512 (the static_assert in fwd_sm90.cu holds the C++ side)."""
+    four tensor maps at 256, 384, 512 and 640 (the static_assert in fwd_sm90.cu holds the C++ side)."""
     fwd_bytes = params.record_dtype("FwdParams").itemsize
     record = np.zeros(1, params.record_dtype("FwdParams"))[0]
     raw = bytes(range(256)) * 2
-    maps = [raw[i * 128:(i + 1) * 128] for i in range(3)]
+    maps = [raw[i * 128:(i + 1) * 128] for i in range(4)]
     args = sm90_fwd.pack_args(record, 12, 0xDEADBEEF0, maps).tobytes()
-    assert len(args) == 640
+    assert len(args) == 768
     assert int.from_bytes(args[fwd_bytes:fwd_bytes + 4], "little") == 12
     assert args[fwd_bytes + 4:fwd_bytes + 8] == bytes(4)  # padding
     assert int.from_bytes(args[fwd_bytes + 8:fwd_bytes + 16], "little") == 0xDEADBEEF0
     assert fwd_bytes + 16 <= 256
     for i, m in enumerate(maps):
         assert args[256 + 128 * i:384 + 128 * i] == m
+
+
+def test_o_goes_through_shared_memory_where_it_fits():
+    """O's tile is staged for TMA stores at d = 64 and 128; d = 192 and 256 have no room left."""
+    staged = {d: sm90_fwd.stores_o(d, sm90_fwd.variant(d, "bfloat16", "none").tile) for d in sm90_fwd.HEAD_DIMS}
+    assert staged == {64: True, 128: True, 192: False, 256: False}
+    for d in sm90_fwd.HEAD_DIMS:
+        assert sm90_fwd.variant(d, "bfloat16", "causal").smem_bytes <= sm90_fwd.MAX_SMEM
 
 
 @pytest.mark.parametrize("batch, seqlen, nheads, head_dim, causal, expected", [
