@@ -21,7 +21,8 @@
 //               m_new = max(m, rowmax(S)); P = exp2(S c - m_new c); l = l exp2(m - m_new) + rowsum(P)
 //               wait P V; release V_j'; O = O exp2(m - m_new)  // d > 128: before the next P V instead
 //           release Q (the producer loads the next tile's); O += P V_last
-//           O /= l, LSE = m softmax_scale + ln(l) (a sink joins l); O, LSE to memory.
+//           O /= l, LSE = m softmax_scale + ln(l) (a sink joins l); O (through shared memory and
+//           TMA stores where it can be staged) and LSE to memory.
 //       With kPingPong the consumers issue each loop iteration's two GEMMs in turn (named
 //       barriers), so one warpgroup's softmax runs under the others' GEMMs (FlashAttention-3, 3.1).
 // The wgmma accumulators of a warp hold its 16 rows in the mma.sync m16n8 layout (sm90.cuh), so
@@ -67,12 +68,15 @@ struct Sm90FwdTraits {
     static constexpr int kQSlots = 2 * kQBytes + 2 * kStages * kKVBytes + 2048 <= kMaxSmem ? 2 : 1;
     static constexpr int kOffK = kQSlots * kQBytes;
     static constexpr int kOffV = kOffK + kStages * kKVBytes;
-    // O's tile through shared memory and out by TMA stores where it fits beside the rest (d = 64, 128):
-    // the consumers hand it over in a few stmatrix and go on; else each thread stores its fragments.
+    // O's tile through shared memory and out by TMA stores (the consumers hand it over in a few
+    // stmatrix and go on): in a buffer of its own where it fits beside the rest (d = 64, 128), else
+    // in the one Q buffer (d = 192, 256), free once the tile's last S = Q K^T is done; the next Q
+    // loads when the stores have read it. Else each thread stores its fragments.
     static constexpr int kOBytes = kBlockM * kHeadDim * 2;
-    static constexpr bool kStoreO = kOffV + kStages * kKVBytes + kOBytes + 2048 <= kMaxSmem;
-    static constexpr int kOffO = kOffV + kStages * kKVBytes;
-    static constexpr int kOffBar = kOffO + (kStoreO ? kOBytes : 0);
+    static constexpr bool kOOwnBuffer = kOffV + kStages * kKVBytes + kOBytes + 2048 <= kMaxSmem;
+    static constexpr bool kOInQ = !kOOwnBuffer && kQSlots == 1;  // the kernels without a band (below)
+    static constexpr int kOffO = kOOwnBuffer ? kOffV + kStages * kKVBytes : 0;
+    static constexpr int kOffBar = kOffV + kStages * kKVBytes + (kOOwnBuffer ? kOBytes : 0);
     // per stage K full, V full, K empty, V empty; per Q slot full, empty; per tile slot full, empty
     static constexpr int kTileSlots = 2;  // the producer announces the consumers' next tiles through these
     static constexpr int kBarriers = 4 * kStages + 2 * kQSlots + 2 * kTileSlots;
@@ -87,7 +91,7 @@ struct Sm90FwdTraits {
 
 // The kernel's one parameter: the parameter struct, the tile order's section width, and the tensor
 // maps of q, k, v and out, each a 4-D (headdim, seqlen, heads, batch) view with the caller's
-// strides (flashcupy/sm90_fwd.py; out's only where kStoreO, else zeros).
+// strides (flashcupy/sm90_fwd.py).
 struct Sm90FwdArgs {
     FwdParams p;
     int section_heads;  // (head, batch) pairs whose q blocks interleave in the tile order
@@ -109,6 +113,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     // Large head dims rescale O under the next S = Q K^T rather than after P V (its 128 multiplies
     // per thread at d = 256 otherwise sit between P V's end and the next GEMMs).
     constexpr bool kRescaleUnderS = kHeadDim > 128;
+    // O in the Q buffer only without a band: at d = 256 causal it measured 3% slower from 8k (and
+    // 6-11% faster at 512-1k); without a mask 7-10% faster at 512-1k, level from 4k
+    constexpr bool kOInQ = T::kOInQ && !Is_causal && !Is_local, kStoreO = T::kOOwnBuffer || kOInQ;
     const FwdParams& p = args.p;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_u32(smem_raw) + 1023) & ~1023u;
@@ -275,8 +282,12 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
         const float score_log2 = Has_score_mod ? 1.4426950408889634f : p.scale_log2;
 
         const int n_count = w.n_block_max - w.n_block_min;
+        // O through shared memory (below); a packed varlen tensor's rows past this sequence are the
+        // next one's, which a box would overwrite, so varlen stores fragments; so does a tile without
+        // keys where O's buffer is Q's (the producer loaded no Q for it: the buffer may be filling)
+        const bool o_staged = kStoreO && !p.cu_seqlens_q && (T::kOOwnBuffer || n_count > 0);
+        const int qs = q_iter % T::kQSlots;
         if (n_count > 0) {
-            const int qs = q_iter % T::kQSlots;
             const u32 sQ_wg = sQ + qs * T::kQBytes + consumer * 64 * 128;
             // With kAdvanceDescs each wgmma's descriptor is its tile's advanced by the constant
             // offset (fewer instructions; measured faster at d = 128 only), else built from its address.
@@ -359,7 +370,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
                 for (int kk = 0; kk < kBlockN / 16; ++kk)
                     acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
             }
-            mbar_arrive(q_empty(qs));  // every S of this tile is done: the producer may load the next Q
+            // every S of this tile is done: the producer may load the next Q (where O's stores do not read the buffer)
+            if (!(kOInQ && o_staged)) mbar_arrive(q_empty(qs));
             mbar_wait(v_full(stage_of(n_count - 1)), parity_of(n_count - 1));
             fence_regs(o_flat);
             if (kRescaleUnderS && n_count > 1) softmax.rescale(acc_o, alpha);
@@ -376,14 +388,13 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
         float row_lse[2];
         softmax.finalize(acc_o, Has_score_mod ? 1.f : p.softmax_scale, p.sinks ? p.sinks[w.head] : -FC_INF, row_lse);
         float* gLse = p.lse + w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + w.seq.q_start;
-        // A packed varlen tensor's rows past this sequence are the next one's: a box would overwrite
-        // them, so varlen stores fragments.
-        if (T::kStoreO && !p.cu_seqlens_q) {
+        if (o_staged) {
             // This warpgroup's 64 rows into its part of sO (each chunk's rows of the block, 128
             // swizzled bytes a row, as TMA reads them) by stmatrix: per 16 columns four 8 x 8
             // matrices, rows 0-7 and 8-15 of the warp, columns +0 and +8. Thread 0 of the warpgroup
-            // then stores the chunks; its next tile's first waits until they have been read.
-            const u32 sO_wg = sO + consumer * 64 * 128;
+            // then stores the chunks; its next tile's first waits until they have been read (in Q's
+            // buffer, it waits at once and then releases the buffer).
+            const u32 sO_wg = (T::kOOwnBuffer ? sO : sQ) + consumer * 64 * 128;
             const int store_bar = 1 + T::kConsumerWGs + consumer;  // after the ping-pong ids
             const bool issuer = tid % 128 == 0;
             if (issuer) bulk_wait_read<0>();
@@ -405,7 +416,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
                 for (int c = 0; c < T::kChunks; ++c)
                     tma_store_4d(&args.o, sO_wg + c * kBlockM * 128, c * T::kChunk, row0 + 64 * consumer, w.head, w.batch);
                 bulk_commit();
+                if (kOInQ) bulk_wait_read<0>();
             }
+            if (kOInQ) mbar_arrive(q_empty(qs));
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = row0 + warp_row0 + g + 8 * h;
@@ -427,5 +440,5 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
             }
         }
     }
-    if (T::kStoreO && tid % 128 == 0) bulk_wait<0>();  // O's last stores done before the block ends
+    if (kStoreO && tid % 128 == 0) bulk_wait<0>();  // O's last stores done before the block ends
 }

@@ -66,21 +66,26 @@ def q_slots(head_dim: int, tile: Sm90FwdTile) -> int:
     return 2 if 2 * q + 2 * tile.stages * kv + 2048 <= MAX_SMEM else 1
 
 
-def stores_o(head_dim: int, tile: Sm90FwdTile) -> bool:
-    """Whether O's tile goes through shared memory and TMA stores (Sm90FwdTraits::kStoreO): where it
-    fits beside the Q buffers and the K/V stages."""
+def o_buffer(head_dim: int, tile: Sm90FwdTile) -> str:
+    """Where O's tile is staged for its TMA stores (Sm90FwdTraits::kOOwnBuffer, kOInQ): "own" where
+    it fits beside the Q buffers and the K/V stages, "q" in the one Q buffer (the kernels without a
+    causal or local band; the others store fragments and leave out's map unread), "" nowhere (each
+    thread stores its fragments)."""
     q, kv = tile.block_m * head_dim * 2, tile.block_n * head_dim * 2
-    return q_slots(head_dim, tile) * q + 2 * tile.stages * kv + q + 2048 <= MAX_SMEM
+    slots = q_slots(head_dim, tile)
+    if slots * q + 2 * tile.stages * kv + q + 2048 <= MAX_SMEM:
+        return "own"
+    return "q" if slots == 1 else ""
 
 
 def smem_bytes(head_dim: int, tile: Sm90FwdTile) -> int:
-    """The Q buffers, stages x (K, V), O's tile where it is staged, the mbarriers, the tile slots,
+    """The Q buffers, stages x (K, V), O's tile where it has its own buffer, the mbarriers, the tile slots,
     and 1024 bytes to align the swizzled tiles (Sm90FwdTraits in fwd_sm90.cu)."""
     q = tile.block_m * head_dim * 2
     kv = tile.block_n * head_dim * 2
     slots = q_slots(head_dim, tile)
     barriers = 4 * tile.stages + 2 * slots + 2 * TILE_SLOTS
-    o = q if stores_o(head_dim, tile) else 0
+    o = q if o_buffer(head_dim, tile) == "own" else 0
     return slots * q + 2 * tile.stages * kv + o + barriers * 8 + TILE_SLOTS * 4 + 1024
 
 
@@ -311,7 +316,7 @@ class Sm90Forward(HopperFamily):
         args = pack_args(record, section_heads(problem, var.mask), counter, maps)
         # FwdParams opens Sm90FwdArgs: its pointer offsets hold in the whole argument
         writes = params.buffer_writes("FwdParams", params.FWD_BUFFERS)
-        if stores_o(problem.head_dim, tile):  # out's map, written with its pointer (varlen does not read it)
+        if o_buffer(problem.head_dim, tile):  # out's map, written with its pointer (varlen does not read it)
             dtype = problem.dtype
             writes += ((ARGS_TMA_OFFSET + 3 * TMA_BYTES, "out", lambda out: tensor_map_of(out, dtype, O_BOX_ROWS)),)
         launch = Replay(build.get_kernel(var), plan, args.tobytes(), writes)
