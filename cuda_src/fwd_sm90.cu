@@ -75,8 +75,8 @@ struct Sm90FwdTraits {
     static constexpr int kOBytes = kBlockM * kHeadDim * 2;
     static constexpr bool kOOwnBuffer = kOffV + kStages * kKVBytes + kOBytes + 2048 <= kMaxSmem;
     static constexpr bool kOInQ = !kOOwnBuffer && kQSlots == 1;  // the kernels without a band (below)
-    static constexpr int kOffO = kOOwnBuffer ? kOffV + kStages * kKVBytes : 0;
-    static constexpr int kOffBar = kOffV + kStages * kKVBytes + (kOOwnBuffer ? kOBytes : 0);
+    static constexpr int kOffO = kOffV + kStages * kKVBytes;
+    static constexpr int kOffBar = kOffO + (kOOwnBuffer ? kOBytes : 0);
     // per stage K full, V full, K empty, V empty; per Q slot full, empty; per tile slot full, empty
     static constexpr int kTileSlots = 2;  // the producer announces the consumers' next tiles through these
     static constexpr int kBarriers = 4 * kStages + 2 * kQSlots + 2 * kTileSlots;
@@ -286,8 +286,8 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
         // next one's, which a box would overwrite, so varlen stores fragments; so does a tile without
         // keys where O's buffer is Q's (the producer loaded no Q for it: the buffer may be filling)
         const bool o_staged = kStoreO && !p.cu_seqlens_q && (T::kOOwnBuffer || n_count > 0);
-        const int qs = q_iter % T::kQSlots;
         if (n_count > 0) {
+            const int qs = q_iter % T::kQSlots;
             const u32 sQ_wg = sQ + qs * T::kQBytes + consumer * 64 * 128;
             // With kAdvanceDescs each wgmma's descriptor is its tile's advanced by the constant
             // offset (fewer instructions; measured faster at d = 128 only), else built from its address.
@@ -371,7 +371,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
                     acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
             }
             // every S of this tile is done: the producer may load the next Q (where O's stores do not read the buffer)
-            if (!(kOInQ && o_staged)) mbar_arrive(q_empty(qs));
+            if (!kOInQ || !o_staged) mbar_arrive(q_empty(qs));
             mbar_wait(v_full(stage_of(n_count - 1)), parity_of(n_count - 1));
             fence_regs(o_flat);
             if (kRescaleUnderS && n_count > 1) softmax.rescale(acc_o, alpha);
@@ -418,7 +418,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
                 bulk_commit();
                 if (kOInQ) bulk_wait_read<0>();
             }
-            if (kOInQ) mbar_arrive(q_empty(qs));
+            if (kOInQ) mbar_arrive(q_empty((q_iter - 1) % T::kQSlots));  // this tile's, loaded (n_count > 0)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int r = row0 + warp_row0 + g + 8 * h;
