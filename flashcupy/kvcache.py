@@ -441,12 +441,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     current stream with no host synchronization when check_values=False or the index arrays are
     host arrays; allocations come from CuPy's pool, so a step can be captured into a CUDA graph.
     """
-    import cupy
-
-    from .api import as_device_array
-    from .device import device_info
-    from .validation import ArraySpec, check_band, check_kvcache_inputs, check_kvcache_values, check_softcap
-
     # A decode loop (check_values=False, index arrays on the GPU) repeats its calls: the launches of a
     # call with the same arrays and options run again without the checks and the planning. (Without
     # cache_seqlens each call makes its own array of the cache's length: nothing to keep.)
@@ -457,6 +451,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     kept = replay.rerun_forward(key, return_lse)
     if kept is not None:
         return kept
+    import cupy
+
+    from .api import as_device_array
+    from .device import device_info
+    from .validation import ArraySpec, check_band, check_kvcache_inputs, check_kvcache_values, check_softcap
+
     arrays = {name: None if a is None else as_device_array(a, name)
               for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                               ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("alibi_slopes", alibi_slopes),
