@@ -49,7 +49,6 @@ class Replay:
     def __init__(self, kernel, plan, args: bytes, writes):
         self.kernel, self.plan, self.args, self.writes = kernel, plan, bytes(args), tuple(writes)
         self._raw = np.frombuffer(bytearray(self.args + bytes(-len(self.args) % 8)), np.uint8)
-        self._words = self._raw.view(np.uint64)
         self._params = np.array([self._raw.ctypes.data], np.uint64)  # the parameter's address
         self._params_address = self._params.ctypes.data
         # pointer writes go straight into their 64-bit word; the others (tensor maps) as bytes
@@ -59,13 +58,21 @@ class Replay:
         self._function = None
         self._lock = threading.Lock()
 
+    def _fill(self, raw, buffers: dict) -> None:
+        """Writes `buffers` (name -> array) into `raw`, the argument as 8-byte-padded uint8."""
+        words, get = raw.view(np.uint64), buffers.get
+        for index, name in self._pointers:
+            array = get(name)
+            words[index] = 0 if array is None else array.data.ptr
+        for offset, name, encode in self._others:
+            data = encode(get(name))
+            raw[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+
     def arguments(self, buffers: dict) -> bytes:
         """The argument bytes with `buffers` (name -> array) written in."""
-        raw = bytearray(self.args)
-        for offset, name, encode in self.writes:
-            data = encode(buffers.get(name))
-            raw[offset:offset + len(data)] = data
-        return bytes(raw)
+        raw = np.frombuffer(bytearray(self.args + bytes(-len(self.args) % 8)), np.uint8)
+        self._fill(raw, buffers)
+        return raw[:len(self.args)].tobytes()
 
     def __call__(self, buffers: dict) -> None:
         import cupy
@@ -74,13 +81,7 @@ class Replay:
             self._function = self.kernel.kernel.ptr
         stream = cupy.cuda.get_current_stream().ptr
         with self._lock:
-            words, get = self._words, buffers.get
-            for index, name in self._pointers:
-                array = get(name)
-                words[index] = 0 if array is None else array.data.ptr
-            for offset, name, encode in self._others:
-                data = encode(get(name))
-                self._raw[offset:offset + len(data)] = np.frombuffer(data, np.uint8)
+            self._fill(self._raw, buffers)
             launch_kernel(self._function, self.plan, self._params_address, stream)
 
 

@@ -66,16 +66,15 @@ def q_slots(head_dim: int, tile: Sm90FwdTile) -> int:
     return 2 if 2 * q + 2 * tile.stages * kv + 2048 <= MAX_SMEM else 1
 
 
-def o_buffer(head_dim: int, tile: Sm90FwdTile) -> str:
-    """Where O's tile is staged for its TMA stores (Sm90FwdTraits::kOOwnBuffer, kOInQ): "own" where
-    it fits beside the Q buffers and the K/V stages, "q" in the one Q buffer (the kernels without a
-    causal or local band; the others store fragments and leave out's map unread), "" nowhere (each
-    thread stores its fragments)."""
+def o_buffer(head_dim: int, tile: Sm90FwdTile, mask: str = "none") -> str:
+    """Where O's tile is staged for its TMA stores (Sm90FwdTraits::kOOwnBuffer, and kOInQ as the
+    kernel gates it by its band): "own" where it fits beside the Q buffers and the K/V stages, "q" in
+    the one Q buffer (without a causal or local band), "" nowhere (each thread stores its fragments)."""
     q, kv = tile.block_m * head_dim * 2, tile.block_n * head_dim * 2
     slots = q_slots(head_dim, tile)
     if slots * q + 2 * tile.stages * kv + q + 2048 <= MAX_SMEM:
         return "own"
-    return "q" if slots == 1 else ""
+    return "q" if slots == 1 and mask == "none" else ""
 
 
 def smem_bytes(head_dim: int, tile: Sm90FwdTile) -> int:
@@ -316,7 +315,8 @@ class Sm90Forward(HopperFamily):
         args = pack_args(record, section_heads(problem, var.mask), counter, maps)
         # FwdParams opens Sm90FwdArgs: its pointer offsets hold in the whole argument
         writes = params.buffer_writes("FwdParams", params.FWD_BUFFERS)
-        if o_buffer(problem.head_dim, tile):  # out's map, written with its pointer (varlen does not read it)
+        # out's map, written with its pointer, where the kernel stages O (varlen stores fragments)
+        if o_buffer(problem.head_dim, tile, var.mask) and not problem.is_varlen:
             dtype = problem.dtype
             writes += ((ARGS_TMA_OFFSET + 3 * TMA_BYTES, "out", lambda out: tensor_map_of(out, dtype, O_BOX_ROWS)),)
         launch = Replay(build.get_kernel(var), plan, args.tobytes(), writes)

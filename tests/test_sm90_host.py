@@ -30,9 +30,12 @@ def test_args_layout():
 
 def test_o_goes_through_shared_memory_where_it_fits():
     """O's tile is staged for TMA stores in a buffer of its own at d = 64 and 128; d = 192 and 256
-    have no room left for one and stage it in their one Q buffer."""
-    staged = {d: sm90_fwd.o_buffer(d, sm90_fwd.variant(d, "bfloat16", "none").tile) for d in sm90_fwd.HEAD_DIMS}
-    assert staged == {64: "own", 128: "own", 192: "q", 256: "q"}
+    have no room left for one and stage it in their one Q buffer, without a band only."""
+    for mask, expected in (("none", {64: "own", 128: "own", 192: "q", 256: "q"}),
+                           ("causal", {64: "own", 128: "own", 192: "", 256: ""}),
+                           ("local", {64: "own", 128: "own", 192: "", 256: ""})):
+        tiles = {d: sm90_fwd.variant(d, "bfloat16", mask).tile for d in sm90_fwd.HEAD_DIMS}
+        assert {d: sm90_fwd.o_buffer(d, t, mask) for d, t in tiles.items()} == expected
     assert {d: sm90_fwd.q_slots(d, sm90_fwd.variant(d, "bfloat16", "none").tile) for d in (192, 256)} == {192: 1, 256: 1}
     for d in sm90_fwd.HEAD_DIMS:
         assert sm90_fwd.variant(d, "bfloat16", "causal").smem_bytes <= sm90_fwd.MAX_SMEM
