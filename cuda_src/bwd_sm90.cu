@@ -11,7 +11,7 @@
 //       memory into dq_accum with TMA reductions;
 //   the two others, consumers, in one of two arrangements by head dim.
 // Keys on the wgmma's M (head dims 64, 128): kBlockN = 128 keys, 64 per consumer, kBlockM 64 (128
-// at head dim 64); per q block each consumer
+// at head dim 64, 80 at 128 without a band or score mods); per q block each consumer
 //       S^T = K_j Q_i^T, dP^T = V_j dO_i^T              // wgmma, all operands in shared memory
 //       P^T = exp2(S^T c - LSE_i log2 e)                // under dP^T's wgmma; masked where needed
 //       dS^T = P^T (dP^T - D_i) -> shared memory (two buffers, alternating)
@@ -20,7 +20,8 @@
 //       dK_j += dS^T Q_i                                // wgmma, dS^T from registers, under dQ's store
 //       dQ_i -> shared memory, handed to warp 3;
 //     dQ_i per warpgroup, over all the block's keys: with 64 queries half of the columns, with 128
-//     half of the queries.
+//     half of the queries; with 80 (no wgmma has an M of 80) half of the columns as
+//       dQ_i^T = K_j^T dS^T                             // dS stored untransposed (stmatrix .trans)
 // Keys on N (head dim 256, where 64 keys x 256 columns of dK and dV per consumer would not fit in
 // registers): kBlockN = 48 keys, kBlockM = 64; per q block each consumer
 //       S = Q_i K_c^T, dP = dO_i V_c^T                  // its 24 keys c, queries on M
@@ -35,7 +36,8 @@
 // (a semaphore per q block); a sink needs nothing here (it is in the LSE).
 // Shared memory: K, V (kBlockN rows), kStages x Q, kStagesDO x dO (kBlockM rows), each as 64-column
 // chunks with the 128-byte swizzle; 2 x kBlockN x kBlockM 16-bit (dS^T twice, or P^T and dS^T;
-// 64-query chunks of [kBlockN keys][64], 128-byte rows, the same swizzle); per consumer its dQ_i
+// 64-query chunks of [kBlockN keys][64], 128-byte rows, the same swizzle; with 80 queries dS
+// twice, 64-key chunks of [80 queries][64]); per consumer its dQ_i
 // tile (float32, 32-column parts, the same swizzle); kStages x (LSE_i log2 e, D_i); the mbarriers.
 #include "sm90.cuh"
 #include "mask.cuh"
@@ -63,14 +65,17 @@ struct Sm90BwdTraits {
     static constexpr int kChunk = 64, kChunks = kHeadDim / kChunk;
     static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
     static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // Q or dO, one stage
-    static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // dS^T or P^T, one buffer (kBlockM / 64 chunks)
+    static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // dS^T, dS or P^T, one buffer (layouts above)
     // Keys on N: a consumer's keys of S and dP, and its columns of dK, dV and dQ
     static constexpr int kWGKeys = kBlockN / kConsumerWGs, kWGCols = kHeadDim / kConsumerWGs;
-    // dQ_i: each consumer a 64 x kDQCols tile over all the block's keys, staged as float32 in 32-column
-    // parts (128-byte rows): with 64 queries, all of them and half of the columns; with 128, its half
-    // of the queries (kDQSplitRows) and all columns
+    // dQ_i: each consumer a kDQRows x kDQCols tile over all the block's keys, staged as float32 in
+    // 32-column parts (128-byte rows): with 64 queries, all of them and half of the columns; with 128,
+    // its half of the queries (kDQSplitRows) and all columns; with 80 (not a wgmma M), all of them and
+    // half of the columns, computed transposed (kDQTransposed: dQ_i^T = K_j^T dS^T, queries on N)
     static constexpr bool kDQSplitRows = kBlockM == 128;
-    static constexpr int kDQRows = 64, kDQCols = kDQSplitRows ? kHeadDim : kHeadDim / kConsumerWGs;
+    static constexpr bool kDQTransposed = !kKeysOnN && kBlockM % 64 != 0;
+    static constexpr int kDQRows = kDQTransposed ? kBlockM : 64;
+    static constexpr int kDQCols = kDQSplitRows ? kHeadDim : kHeadDim / kConsumerWGs;
     static constexpr int kDQPartCols = 32, kDQParts = kDQCols / kDQPartCols;
     static constexpr int kDQPartBytes = kDQRows * kDQPartCols * 4, kDQBytes = kDQParts * kDQPartBytes;
     static constexpr int kOffV = kKVBytes;
@@ -93,8 +98,8 @@ struct Sm90BwdTraits {
     static constexpr int kBarDS = 1, kBarDQFull = 2, kBarDQEmpty = 4, kBarPdSRead = 6, kDQHandoff = 128 + 32;
     static_assert(kKeysOnN || kHeadDim == 64 || kHeadDim == 128,
                   "keys on M: head dims 64 and 128 (dQ: 64 x 32 or 64 x 64 per warpgroup)");
-    static_assert(kKeysOnN || kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64),
-                  "keys on M: q blocks of 64 (128 at head dim 64: S^T and dP^T take 64 registers each)");
+    static_assert(kKeysOnN || kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64) || (kBlockM == 80 && kHeadDim == 128),
+                  "keys on M: q blocks of 64, 128 at head dim 64 (S^T and dP^T take 64 registers each), 80 at 128");
     static_assert(kKeysOnN || kBlockN == 128, "keys on M: two consumer warpgroups of 64 keys");
     static_assert(!kKeysOnN || (kHeadDim == 256 && kBlockM == 64 && kBlockN == 48),
                   "keys on N: head dim 256, 64 queries (one wgmma M), 24 keys per consumer");
@@ -187,7 +192,7 @@ FC_DEVICE void bwd_producer(const Sm90BwdArgs& args, const Sm90BwdBlock<T, Is_ca
     // 0, in warp 0, issues the TMA loads (the copiers wait for stages to empty: not its warp).
     const int r = tid - 32;
     if (r >= 0 && r < T::kStageLoaders) {
-        constexpr int kRows = kBlockM / T::kStageLoaders;
+        constexpr int kRows = (kBlockM + T::kStageLoaders - 1) / T::kStageLoaders;
         const float* gLse = p.lse + b.batch * p.lse_batch_stride + b.head * p.lse_head_stride + b.seq.q_start;
         const float* gDelta = p.delta + b.batch * p.lse_batch_stride + b.head * p.lse_head_stride + b.seq.q_start;
         for (int it = 0; it < b.m_count; ++it) {
@@ -197,12 +202,14 @@ FC_DEVICE void bwd_producer(const Sm90BwdArgs& args, const Sm90BwdBlock<T, Is_ca
 #pragma unroll
             for (int j = 0; j < kRows; ++j) {
                 const int q = (b.m_block_min + it) * kBlockM + r + 64 * j;
-                l[j] = q < b.seq.seqlen_q ? gLse[q] : FC_INF;  // past the queries: P = 0
-                d[j] = q < b.seq.seqlen_q ? gDelta[q] : 0.f;
+                const bool in = q < b.seq.seqlen_q && (kBlockM % 64 == 0 || r + 64 * j < kBlockM);
+                l[j] = in ? gLse[q] : FC_INF;  // past the queries: P = 0
+                d[j] = in ? gDelta[q] : 0.f;
             }
             mbar_wait(b.q_empty(s), ((it / kStages) & 1) ^ 1);
 #pragma unroll
             for (int j = 0; j < kRows; ++j) {
+                if (kBlockM % 64 != 0 && r + 64 * j >= kBlockM) break;
                 stage[r + 64 * j] = l[j] == -FC_INF ? FC_INF : l[j] * kLog2e;  // a row without keys: P = 0, not NaN
                 stage[kBlockM + r + 64 * j] = d[j];
             }
@@ -297,6 +304,29 @@ FC_DEVICE void bwd_producer(const Sm90BwdArgs& args, const Sm90BwdBlock<T, Is_ca
 // swizzled with the row's low three bits (g): the address of unit (t / 2) ^ g, XOR (nt % 4) << 5.
 // Rows g and g ^ 1 would store to the same banks at once, so odd rows store tile nt ^ 2 where even
 // ones store tile nt (the half-warp's 64 stores then cover the 32 banks once).
+// Transposed (kDQTransposed), the thread holds dQ_i^T: columns 16 warp + g + 8 h, queries 8 nt + 2 t + e1,
+// stored one float at a time (the two queries lie in different rows): column c's 16-byte unit c / 4 of
+// its part swizzled with the query's low three bits, which for the warp's 8 g and 4 t cover 32 banks.
+template <class T>
+FC_DEVICE void hand_off_dq_transposed(u32 smem, int consumer, int warp, int g, int t,
+                                      const float (&acc_dq)[T::kDQRows / 2]) {
+    const u32 tile = smem + T::kOffDQ + consumer * T::kDQBytes;
+    named_bar_sync(T::kBarDQEmpty + consumer, T::kDQHandoff);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+            // query 2 t + e1 of the first tile; the others 8 rows (1024 bytes) apart, with the same swizzle
+            const int c = 16 * warp + g + 8 * h, q = 2 * t + e1;
+            const u32 addr = in_place(tile + (c / T::kDQPartCols) * T::kDQPartBytes + q * 128 +
+                                      ((((c % T::kDQPartCols) / 4) ^ q) << 4) + (c % 4) * 4);
+#pragma unroll
+            for (int nt = 0; nt < T::kDQRows / 8; ++nt) st_shared_f32(addr + nt * 1024, acc_dq[4 * nt + 2 * h + e1]);
+        }
+    fence_proxy_async_shared();  // visible to the TMA reduction
+    named_bar_arrive(T::kBarDQFull + consumer, T::kDQHandoff);
+}
+
 template <class T>
 FC_DEVICE void hand_off_dq(u32 smem, int consumer, int warp, int g, int t, const float (&acc_dq)[T::kDQCols / 2]) {
     const bool odd = g & 1;
@@ -448,13 +478,28 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
         // address of unit g, XOR (nt % 8) << 4. Two buffers: the other warpgroup may still read the
         // last q block's (its dQ wgmma), not the one before, which it finished before the last dS^T
         // barrier.
-        const u32 ds_row = in_place(sdS_b + (key_w0 + g) * 128 + (g << 4) + 4 * t);
+        if constexpr (T::kDQTransposed) {
+            // dS untransposed ([kBlockM queries][64 keys] chunks) by stmatrix .trans: matrix i = lane / 8
+            // is query tile nt + i / 2, keys key_w0 + 8 (i % 2) ..; its row r = lane % 8 is query 8 (nt
+            // + i / 2) + r, whose 8 keys fill 16-byte unit (key_w0 % 64) / 8 + i % 2, swizzled with r
+            const int i = (lane / 8), r = lane % 8;
+            const u32 ds_unit = in_place(sdS_b + (key_w0 / 64) * kBlockM * 128 + (8 * (i / 2) + r) * 128 +
+                                         ((((key_w0 % 64) / 8 + i % 2) ^ r) << 4));
 #pragma unroll
-        for (int nt = 0; nt < kBlockM / 8; ++nt)
+            for (int nt = 0; nt < kBlockM / 8; nt += 2)
+                stmatrix_x4_trans(ds_unit + nt * 8 * 128, pack_f32x2<Is_bf16>(acc_dp[0][nt][0], acc_dp[0][nt][1]),
+                                  pack_f32x2<Is_bf16>(acc_dp[0][nt][2], acc_dp[0][nt][3]),
+                                  pack_f32x2<Is_bf16>(acc_dp[0][nt + 1][0], acc_dp[0][nt + 1][1]),
+                                  pack_f32x2<Is_bf16>(acc_dp[0][nt + 1][2], acc_dp[0][nt + 1][3]));
+        } else {
+            const u32 ds_row = in_place(sdS_b + (key_w0 + g) * 128 + (g << 4) + 4 * t);
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-                st_shared_u32(((ds_row + h * 8 * 128) ^ ((nt % 8) << 4)) + (nt / 8) * kBlockN * 128,
-                              pack_f32x2<Is_bf16>(acc_dp[0][nt][2 * h], acc_dp[0][nt][2 * h + 1]));
+            for (int nt = 0; nt < kBlockM / 8; ++nt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    st_shared_u32(((ds_row + h * 8 * 128) ^ ((nt % 8) << 4)) + (nt / 8) * kBlockN * 128,
+                                  pack_f32x2<Is_bf16>(acc_dp[0][nt][2 * h], acc_dp[0][nt][2 * h + 1]));
+        }
         // dV += P^T dO_i, under the dS^T barrier and ahead of dQ (issued before dS^T, under dP^T, it
         // kept P^T's registers through dS^T: with 128 queries they do not fit, with 64 it measured
         // 1-3% slower)
@@ -475,12 +520,23 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
         const int col0 = T::kDQSplitRows ? 0 : consumer * kDQCols, row0 = T::kDQSplitRows ? consumer * 64 : 0;
         const u64 desc_k_dq =
             gmma_desc(kv_base(sK + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2), kBlockN * 128, 1024);
-        const u64 desc_ds = gmma_desc(sdS_b + (row0 / 64) * kBlockN * 128, kBlockN * 128, 1024);
-        float acc_dq[kDQCols / 2];
+        float acc_dq[T::kDQTransposed ? kBlockM / 2 : kDQCols / 2];
+        if constexpr (T::kDQTransposed) {
+            // dQ_i^T (its 64 columns x kBlockM queries) = K_j^T (M-major: 16 keys 2048 bytes apart) dS^T
+            // (dS K-major: 16 keys 32 bytes apart in a 64-key chunk, chunks kBlockM * 128 bytes apart)
+            const u64 desc_ds = gmma_desc(sdS_b, 16, 1024);
 #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-            Wgmma<kDQCols, Is_bf16>::ss_tt(acc_dq, gmma_desc_advance(desc_ds, kk * 2048),
-                                           gmma_desc_advance(desc_k_dq, kk * 2048), kk > 0);
+            for (int kk = 0; kk < kBlockN / 16; ++kk)
+                Wgmma<kBlockM, Is_bf16>::ss_tn(acc_dq, gmma_desc_advance(desc_k_dq, kk * 2048),
+                                               gmma_desc_advance(desc_ds, (kk / 4) * kBlockM * 128 + (kk % 4) * 32),
+                                               kk > 0);
+        } else {
+            const u64 desc_ds = gmma_desc(sdS_b + (row0 / 64) * kBlockN * 128, kBlockN * 128, 1024);
+#pragma unroll
+            for (int kk = 0; kk < kBlockN / 16; ++kk)
+                Wgmma<kDQCols, Is_bf16>::ss_tt(acc_dq, gmma_desc_advance(desc_ds, kk * 2048),
+                                               gmma_desc_advance(desc_k_dq, kk * 2048), kk > 0);
+        }
         wgmma_commit();
         // dK += dS^T Q_i
         const u64 desc_q_n = gmma_desc(sQ_s, kBlockM * 128, 1024);
@@ -493,7 +549,8 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
         wgmma_wait<1>();  // dV, dQ_i done
         fence_regs(acc_dv);
         fence_regs(acc_dq);
-        hand_off_dq<T>(smem, consumer, warp, g, t, acc_dq);
+        if constexpr (T::kDQTransposed) hand_off_dq_transposed<T>(smem, consumer, warp, g, t, acc_dq);
+        else hand_off_dq<T>(smem, consumer, warp, g, t, acc_dq);
         wgmma_wait<0>();  // dK done: Q_i, dO_i, a_ds free
         fence_regs(acc_dk);
         mbar_arrive(b.q_empty(s));  // Q_i, dO_i consumed

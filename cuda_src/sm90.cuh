@@ -85,6 +85,9 @@ FC_DEVICE u32 in_place(u32 x) {
     asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
     return y;
 }
+FC_DEVICE void st_shared_f32(u32 addr, float a) {
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(a) : "memory");
+}
 FC_DEVICE void st_shared_f32x2(u32 addr, float a, float b) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
@@ -239,6 +242,7 @@ struct Wgmma {
     // A MN-major, B K-major, both in shared memory
     static FC_DEVICE void ss_tn(float (&d)[kRegs], u64 desc_a, u64 desc_b, int scale_d) {
         FC_WGMMA_CASE(48, 24, FC_WGMMA_SS, 24, 25, 26, "1, 0")
+        FC_WGMMA_CASE(80, 40, FC_WGMMA_SS, 40, 41, 42, "1, 0")
     }
     static FC_DEVICE void rs(float (&d)[kRegs], const u32 (&a)[4], u64 desc_b) {
         FC_WGMMA_CASE(64, 32, FC_WGMMA_RS, 36, 37)

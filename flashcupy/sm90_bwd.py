@@ -28,16 +28,26 @@ BLOCK_N = {64: 128, 128: 128, 256: 48}
 # Q stages by (head dim, queries per step): 3 at d=128 measured level with 2, 4 at d=64 and 64
 # queries 1-7% faster than 2; with 128 queries at d=64, 2 fill shared memory; at d=256 dO has one
 # stage of its own (Sm90BwdTraits::kStagesDO), elsewhere it shares Q's
-STAGES = {(64, 128): 2, (64, 64): 4, (128, 64): 2, (256, 64): 2}
-DQ_ROWS = 64    # rows of a consumer's dQ tile, dq_accum's TMA box (Sm90BwdTraits::kDQRows)
+STAGES = {(64, 128): 2, (64, 64): 4, (128, 64): 2, (128, 80): 2, (256, 64): 2}
 THREADS = 128 * 3  # a producer and two consumer warpgroups
 ARGS_TMA_OFFSET = 512  # Sm90BwdArgs: BwdParams, then the q, k, v, dout, dq_accum tensor maps
 
 
-def block_m(head_dim: int, score_mod: bool) -> int:
-    """Queries per step: 128 at head dim 64, where S^T and dP^T take 64 registers each; 64 at 128,
-    at 256, and with a score mod, whose registers do not fit beside them."""
-    return 128 if head_dim == 64 and not score_mod else 64
+def block_m(head_dim: int, score_mod: bool, mask: str = "none") -> int:
+    """Queries per step: 128 at head dim 64, where S^T and dP^T take 64 registers each; 80 at 128
+    without a band (a masked step's queries are fewer); 64 at 128 with one, at 256, and with a score
+    mod, whose registers do not fit beside them."""
+    if score_mod:
+        return 64
+    if head_dim == 64:
+        return 128
+    return 80 if head_dim == 128 and mask == "none" else 64
+
+
+def dq_rows(block: int) -> int:
+    """Rows of a consumer's dQ tile, dq_accum's TMA box (Sm90BwdTraits::kDQRows): all the step's
+    queries where they are not a multiple of 64 (dQ computed transposed), else 64."""
+    return block if block % 64 else 64
 
 
 def smem_bytes(head_dim: int, block_m: int, stages: int) -> int:
@@ -91,7 +101,7 @@ class Sm90BwdVariant:
 def variant(head_dim: int, dtype: str, mask: str, deterministic: bool = False,
             score_mod: bool = False) -> Sm90BwdVariant:
     mask_flags(mask)  # validates
-    block = block_m(head_dim, score_mod)
+    block = block_m(head_dim, score_mod, mask)
     return Sm90BwdVariant(head_dim, mask, dtype, block, STAGES[head_dim, block], bool(deterministic), bool(score_mod))
 
 
@@ -146,7 +156,7 @@ class Sm90Backward(HopperFamily):
             kernel_args = pack_args(record, section_heads(problem, var.mask, var.deterministic),
                                     maps + (bytes(TMA_BYTES),))
             dq_accum_map = (ARGS_TMA_OFFSET + len(maps) * TMA_BYTES, "dq_accum",
-                            lambda dq_accum: tensor_map_of(dq_accum, "float32", DQ_ROWS))
+                            lambda dq_accum: tensor_map_of(dq_accum, "float32", dq_rows(var.block_m)))
             return Replay(build.get_kernel(var), plan, kernel_args.tobytes(), writes + (dq_accum_map,))
 
         return sm80.run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv, q_block=var.block_m)

@@ -103,17 +103,20 @@ def test_backward_args_layout():
         assert args[512 + 128 * i:640 + 128 * i] == m
 
 
-@pytest.mark.parametrize("head_dim, score_mod, block_m, block_n", [
-    (64, False, 128, 128), (64, True, 64, 128), (128, False, 64, 128), (128, True, 64, 128), (256, False, 64, 48),
-    (256, True, 64, 48)])
-def test_backward_tiles(head_dim, score_mod, block_m, block_n):
+@pytest.mark.parametrize("head_dim, mask, score_mod, block_m, block_n, dq_rows", [
+    (64, "causal", False, 128, 128, 64), (64, "none", True, 64, 128, 64), (128, "causal", False, 64, 128, 64),
+    (128, "local", False, 64, 128, 64), (128, "none", False, 80, 128, 80), (128, "none", True, 64, 128, 64),
+    (256, "none", False, 64, 48, 64), (256, "causal", True, 64, 48, 64)])
+def test_backward_tiles(head_dim, mask, score_mod, block_m, block_n, dq_rows):
     """The sm90 backward's queries per step (its kernel template's kBlockM, the semaphores' q block
-    and the Q/dO boxes): 128 at head dim 64 unless a score mod needs the registers; its keys per
-    block (kBlockN, the K/V boxes, the grid): 48 at head dim 256; every variant fits the H100/H200's
-    227 KiB of shared memory per block."""
+    and the Q/dO boxes): 128 at head dim 64 unless a score mod needs the registers, 80 at 128 without
+    a band or score mod; its keys per block (kBlockN, the K/V boxes, the grid): 48 at head dim 256;
+    the rows of dq_accum's box (kDQRows): 80 where the step's queries are not a multiple of 64; every
+    variant fits the H100/H200's 227 KiB of shared memory per block."""
     from flashcupy import sm90_bwd
 
-    v = sm90_bwd.variant(head_dim, "bfloat16", "causal", score_mod=score_mod)
-    assert (v.block_m, v.block_n) == (block_m, block_n)
-    assert f"<{head_dim}, {block_m}, {block_n}, {v.stages}," in v.name_expression
-    assert f"tile={block_m}x{block_n}" in str(v) and v.smem_bytes <= 227 * 1024
+    for deterministic in (False, True):
+        v = sm90_bwd.variant(head_dim, "bfloat16", mask, deterministic, score_mod=score_mod)
+        assert (v.block_m, v.block_n, sm90_bwd.dq_rows(v.block_m)) == (block_m, block_n, dq_rows)
+        assert f"<{head_dim}, {block_m}, {block_n}, {v.stages}," in v.name_expression
+        assert f"tile={block_m}x{block_n}" in str(v) and v.smem_bytes <= 227 * 1024
