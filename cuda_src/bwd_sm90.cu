@@ -556,21 +556,44 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
         mbar_arrive(b.q_empty(s));  // Q_i, dO_i consumed
     }
 
-    // dK *= softmax_scale; rows key_w0 + g + 8 h, columns 8 dt + 2 t + e1
+    // dK (times softmax_scale) and dV through shared memory, in the Q and dO stages once both
+    // consumers' last wgmmas have read them: stmatrix puts each warp's fragments into rows of keys
+    // (kHeadDim columns, the 16-byte units of row r at unit ^ (r % 8), so that 8 rows' units fall in
+    // different banks); then 16-byte stores along the rows, where each thread had stored its
+    // fragments 4 bytes at a time (5-10% faster at 512-1k tokens, docs/PERF_NOTES.md). The stages'
+    // address comes from the generic pointer: sQ, kept live across the loop, spilled at d=128.
+    constexpr int kRowBytes = kHeadDim * 2;
+    static_assert(2 * kBlockN * kRowBytes <= 2 * kStages * T::kQBytes && T::kOffDO == T::kOffQ + kStages * T::kQBytes,
+                  "dK, dV staged in the Q and dO stages");
+    const u32 sdK = in_place(smem_u32(b.smem_ptr)) + T::kOffQ, sdV = sdK + kBlockN * kRowBytes;
+    named_bar_sync(T::kBarDS, T::kConsumers);
+    {
+        // matrix i of a stmatrix: the warp's rows 8 (i % 2) .., columns 16 j + 8 (i / 2) ..
+        const int i = lane / 8, row = key_w0 + 8 * (i % 2) + lane % 8;
+        const float sc = p.softmax_scale;
+#pragma unroll
+        for (int j = 0; j < kHeadDim / 16; ++j) {
+            const u32 offset = row * kRowBytes + (((2 * j + i / 2) ^ (row & 7)) << 4);
+            const float* k0 = acc_dk + 8 * j;  // fragment of columns 16 j ..: rows g, g + 8, then 16 j + 8 ..
+            const float* v0 = acc_dv + 8 * j;
+            stmatrix_x4(sdK + offset, pack_f32x2<Is_bf16>(k0[0] * sc, k0[1] * sc), pack_f32x2<Is_bf16>(k0[2] * sc, k0[3] * sc),
+                        pack_f32x2<Is_bf16>(k0[4] * sc, k0[5] * sc), pack_f32x2<Is_bf16>(k0[6] * sc, k0[7] * sc));
+            stmatrix_x4(sdV + offset, pack_f32x2<Is_bf16>(v0[0], v0[1]), pack_f32x2<Is_bf16>(v0[2], v0[3]),
+                        pack_f32x2<Is_bf16>(v0[4], v0[5]), pack_f32x2<Is_bf16>(v0[6], v0[7]));
+        }
+    }
+    named_bar_sync(T::kBarDS, T::kConsumers);
     u16* gdK = p.dk + b.batch * p.dk_batch_stride + b.head * p.dk_head_stride + i64(b.seq.k_start) * p.dk_row_stride;
     u16* gdV = p.dv + b.batch * p.dv_batch_stride + b.head * p.dv_head_stride + i64(b.seq.k_start) * p.dv_row_stride;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int key = key0 + key_w0 + g + 8 * h;
+    constexpr int kUnits = kHeadDim / 8;
+    const unsigned char* staged = b.smem_ptr + T::kOffQ;
+    for (int idx = tid - 128; idx < kBlockN * kUnits; idx += T::kConsumers) {
+        const int r = idx / kUnits, u = idx % kUnits, key = key0 + r;
         if (key < seqlen_k) {
-#pragma unroll
-            for (int dt = 0; dt < kHeadDim / 8; ++dt) {
-                *reinterpret_cast<u32*>(gdK + key * p.dk_row_stride + 8 * dt + 2 * t) =
-                    pack_f32x2<Is_bf16>(acc_dk[4 * dt + 2 * h] * p.softmax_scale,
-                                        acc_dk[4 * dt + 2 * h + 1] * p.softmax_scale);
-                *reinterpret_cast<u32*>(gdV + key * p.dv_row_stride + 8 * dt + 2 * t) =
-                    pack_f32x2<Is_bf16>(acc_dv[4 * dt + 2 * h], acc_dv[4 * dt + 2 * h + 1]);
-            }
+            const int at = r * kRowBytes + ((u ^ (r & 7)) << 4);
+            *reinterpret_cast<uint4*>(gdK + key * p.dk_row_stride + 8 * u) = *reinterpret_cast<const uint4*>(staged + at);
+            *reinterpret_cast<uint4*>(gdV + key * p.dv_row_stride + 8 * u) =
+                *reinterpret_cast<const uint4*>(staged + kBlockN * kRowBytes + at);
         }
     }
 }
@@ -751,7 +774,7 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
     // banks); the Q stages hold them once both consumers' last wgmmas have read Q.
     constexpr int kRowBytes = kHeadDim * 2 + 16;
     static_assert(2 * kBlockN * kRowBytes <= kStages * T::kQBytes, "dK, dV staged in the Q stages");
-    const u32 sdK = sQ, sdV = sQ + kBlockN * kRowBytes;
+    const u32 sdK = in_place(smem_u32(b.smem_ptr)) + T::kOffQ, sdV = sdK + kBlockN * kRowBytes;
     named_bar_sync(T::kBarDS, T::kConsumers);
     {
         const int i = lane / 8, r = lane % 8;
