@@ -137,13 +137,24 @@ def test_gqa_sums_over_groups(causal, head_dim):
     run_backward(q, k, v, causal, "float16")
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(2047, 2047), (2048, 2048), (2100, 1000), (1000, 2100)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_causal_steps_on_both_sides_of_the_length_switch(seqlen_q, seqlen_k, deterministic):
+    """At head dim 128 the sm90 backward's causal step takes 64 queries below 2048 and 80 from
+    there (sm90_bwd.block_m): gradients on both sides, bottom-right aligned both ways."""
+    rng = np.random.default_rng(seqlen_q + seqlen_k)
+    q = randn(rng, (1, seqlen_q, 2, 128), "bfloat16")
+    k, v = (randn(rng, (1, seqlen_k, 2, 128), "bfloat16") for _ in range(2))
+    run_backward(q, k, v, True, "bfloat16", deterministic=deterministic)
+
+
+@pytest.mark.parametrize("head_dim, seqlen", [(64, 1500), (128, 1500), (128, 2100), (256, 1500)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_gives_identical_bits(causal, head_dim):
+def test_deterministic_gives_identical_bits(causal, head_dim, seqlen):
     import cupy
 
     rng = np.random.default_rng(4)
-    shape = (2, 1500, 4, head_dim)
+    shape = (2, seqlen, 4, head_dim)
     q, k, v = (randn(rng, shape, "bfloat16") for _ in range(3))
     first, _ = run_backward(q, k, v, causal, "bfloat16", deterministic=True)
     for _ in range(3):

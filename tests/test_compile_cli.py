@@ -15,7 +15,8 @@ from cli_helpers import FAKE_GPU, invoke, on_gpu
 # per Hopper device: fwd sm90 (4 head dims x 2 dtypes x 3 masks x score mods off/on) and sm80 (6 head
 # dims ...), bwd sm90 (d=64, 128 with every option) and sm80 (144 main + 36 helpers)
 FWD_KERNELS = 48 + 72
-BWD_KERNELS = 72 + 180  # sm90 (d=64, 128, 256 x 2 dtypes x 3 masks x deterministic, score mods), sm80 main + helpers
+BWD_KERNELS = 76 + 180  # sm90 (d=64, 128, 256 x 2 dtypes x 3 masks x deterministic, score mods; the causal
+# d=128 step of short problems x 2 dtypes x deterministic), sm80 main + helpers
 # flash_attn_with_kvcache: decode and prefill kernels (4 head dims x 2 dtypes x 3 masks x score mods), the
 # decode kernel's Hopper tiles at d=128 (8 and 2 warps, each 2 x 3 x 2; the 4-warp small tile is the
 # default one), its clusters of 2 and 8 splits at d=128 (each 2 x 3 x 2), the append and the q
@@ -241,7 +242,7 @@ class FakePool:
     (["--head-dims", "64", "--dtype", "bf16", "--direction", "fwd", "--score-mod", "off"], 3 + 3),
     (["--direction", "fwd"], FWD_KERNELS),
     ([], ALL_KERNELS),
-    (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 16 + 16 + 12),
+    (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 18 + 16 + 12),
     (["--dtype", "fp16", "--causal", "off", "--head-dims", "32", "--score-mod", "on"], 1 + 2 + 3 + 4),
     (["--direction", "kvcache", "--head-dims", "128", "--dtype", "bf16"], 6 + 6 + 12 + 12 + 2),
 ])

@@ -103,20 +103,35 @@ def test_backward_args_layout():
         assert args[512 + 128 * i:640 + 128 * i] == m
 
 
-@pytest.mark.parametrize("head_dim, mask, score_mod, block_m, block_n, dq_rows", [
-    (64, "causal", False, 128, 128, 64), (64, "none", True, 64, 128, 64), (128, "causal", False, 64, 128, 64),
-    (128, "local", False, 64, 128, 64), (128, "none", False, 80, 128, 80), (128, "none", True, 64, 128, 64),
-    (256, "none", False, 64, 48, 64), (256, "causal", True, 64, 48, 64)])
-def test_backward_tiles(head_dim, mask, score_mod, block_m, block_n, dq_rows):
+@pytest.mark.parametrize("head_dim, mask, score_mod, seqlen_q, block_m, block_n, dq_rows", [
+    (64, "causal", False, None, 128, 128, 64), (64, "none", True, 100, 64, 128, 64),
+    (128, "causal", False, None, 80, 128, 80), (128, "causal", False, 2048, 80, 128, 80),
+    (128, "causal", False, 2047, 64, 128, 64), (128, "causal", True, 4096, 64, 128, 64),
+    (128, "local", False, None, 64, 128, 64), (128, "none", False, 1, 80, 128, 80), (128, "none", True, None, 64, 128, 64),
+    (256, "none", False, None, 64, 48, 64), (256, "causal", True, None, 64, 48, 64)])
+def test_backward_tiles(head_dim, mask, score_mod, seqlen_q, block_m, block_n, dq_rows):
     """The sm90 backward's queries per step (its kernel template's kBlockM, the semaphores' q block
     and the Q/dO boxes): 128 at head dim 64 unless a score mod needs the registers, 80 at 128 without
-    a band or score mod; its keys per block (kBlockN, the K/V boxes, the grid): 48 at head dim 256;
+    a mask or score mod and under a causal one from 2048 queries (None: a long problem); its keys per block (kBlockN, the K/V boxes, the grid): 48 at head dim 256;
     the rows of dq_accum's box (kDQRows): 80 where the step's queries are not a multiple of 64; every
     variant fits the H100/H200's 227 KiB of shared memory per block."""
     from flashcupy import sm90_bwd
 
     for deterministic in (False, True):
-        v = sm90_bwd.variant(head_dim, "bfloat16", mask, deterministic, score_mod=score_mod)
+        v = sm90_bwd.variant(head_dim, "bfloat16", mask, deterministic, score_mod=score_mod, seqlen_q=seqlen_q)
         assert (v.block_m, v.block_n, sm90_bwd.dq_rows(v.block_m)) == (block_m, block_n, dq_rows)
         assert f"<{head_dim}, {block_m}, {block_n}, {v.stages}," in v.name_expression
         assert f"tile={block_m}x{block_n}" in str(v) and v.smem_bytes <= 227 * 1024
+
+
+def test_backward_variants_cover_short_and_long_problems():
+    """The compiled list holds the variant the dispatcher picks for every length: both causal
+    steps at head dim 128, each variant once."""
+    from flashcupy import sm90_bwd
+
+    listed = sm90_bwd.Sm90Backward().variants(90)
+    assert len(listed) == len(set(listed))
+    for seqlen_q in (1, 2047, 2048, 16384):
+        for mask in ("none", "causal", "local"):
+            for score_mod in (False, True):
+                assert sm90_bwd.variant(128, "bfloat16", mask, True, score_mod, seqlen_q) in listed

@@ -119,6 +119,7 @@ VARLEN_CASES = [
     ([17, 400, 1000, 3], [900, 400, 129, 3], dict(causal=True, window_size=(100, -1))),
     ([17, 400, 1000, 3], [900, 400, 129, 3], dict(window_size=(32, 64), alignment="top_left", softcap=4.0)),
     ([250, 0, 700], [300, 128, 650], dict(causal=True, alibi="batch", sinks=True)),
+    ([1, 2100, 129], [17, 2100, 300], dict(causal=True)),  # past the sm90 backward's causal step switch
 ]
 
 
