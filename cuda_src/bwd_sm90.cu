@@ -483,7 +483,7 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
             // dS untransposed ([kBlockM queries][64 keys] chunks) by stmatrix .trans: matrix i = lane / 8
             // is query tile nt + i / 2, keys key_w0 + 8 (i % 2) ..; its row r = lane % 8 is query 8 (nt
             // + i / 2) + r, whose 8 keys fill 16-byte unit (key_w0 % 64) / 8 + i % 2, swizzled with r
-            const int i = (lane / 8), r = lane % 8;
+            const int i = lane / 8, r = lane % 8;
             const u32 ds_unit = in_place(sdS_b + (key_w0 / 64) * kBlockM * 128 + (8 * (i / 2) + r) * 128 +
                                          ((((key_w0 % 64) / 8 + i % 2) ^ r) << 4));
 #pragma unroll
