@@ -48,7 +48,7 @@ class Replay:
 
     def __init__(self, kernel, plan, args: bytes, writes):
         self.kernel, self.plan, self.args, self.writes = kernel, plan, bytes(args), tuple(writes)
-        self._raw = np.frombuffer(bytearray(self.args + bytes(-len(self.args) % 8)), np.uint8)
+        self._raw = self._padded_args()
         self._params = np.array([self._raw.ctypes.data], np.uint64)  # the parameter's address
         self._params_address = self._params.ctypes.data
         # pointer writes go straight into their 64-bit word; the others (tensor maps) as bytes
@@ -57,6 +57,10 @@ class Replay:
         self._others = tuple(w for w in self.writes if not (w[2] is pointer and w[0] % 8 == 0))
         self._function = None
         self._lock = threading.Lock()
+
+    def _padded_args(self) -> np.ndarray:
+        """A writable copy of the kept argument bytes as uint8, padded to whole 64-bit words."""
+        return np.frombuffer(bytearray(self.args + bytes(-len(self.args) % 8)), np.uint8)
 
     def _fill(self, raw, buffers: dict) -> None:
         """Writes `buffers` (name -> array) into `raw`, the argument as 8-byte-padded uint8."""
@@ -70,7 +74,7 @@ class Replay:
 
     def arguments(self, buffers: dict) -> bytes:
         """The argument bytes with `buffers` (name -> array) written in."""
-        raw = np.frombuffer(bytearray(self.args + bytes(-len(self.args) % 8)), np.uint8)
+        raw = self._padded_args()
         self._fill(raw, buffers)
         return raw[:len(self.args)].tobytes()
 
