@@ -68,7 +68,7 @@ flash_bwd_preprocess_kernel(const __grid_constant__ BwdParams p) {
         const int row = int(r % seqlen_q);
         const i64 bh = r / seqlen_q;
         const int head = int(bh % nheads), b = int(bh / nheads);
-        float* pacc = dq_accum + ((i64(b) * seqlen_q + row) * nheads + head) * kHeadDim;
+        float* pacc = dq_accum + r * kHeadDim;  // its layout's row order
 #pragma unroll
         for (int c = sub; c < kHeadDim / 4; c += kThreadsPerRow)
             *reinterpret_cast<float4*>(pacc + 4 * c) = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -104,11 +104,12 @@ flash_bwd_convert_dq_kernel(const __grid_constant__ BwdParams p) {
     const float softmax_scale = p.softmax_scale;
     const i64 idx = i64(blockIdx.x) * blockDim.x + threadIdx.x;
     if (idx >= i64(p.rows_batch) * seqlen_q * nheads * kChunks) return;
+    // dq_accum in order: (batch, head, row, chunk)
     const int chunk = int(idx % kChunks);
     const i64 rest = idx / kChunks;
-    const int head = int(rest % nheads);
-    const i64 rest2 = rest / nheads;
-    const int row = int(rest2 % seqlen_q), b = int(rest2 / seqlen_q);
+    const int row = int(rest % seqlen_q);
+    const i64 rest2 = rest / seqlen_q;
+    const int head = int(rest2 % nheads), b = int(rest2 / nheads);
     const float4 lo = *reinterpret_cast<const float4*>(dq_accum + idx * 8);
     const float4 hi = *reinterpret_cast<const float4*>(dq_accum + idx * 8 + 4);
     uint4 o;
@@ -297,10 +298,10 @@ flash_bwd_kernel(const __grid_constant__ BwdParams p) {  // params.cuh
     const u16* gV = v + batch * p.v_batch_stride + kv_head * p.v_head_stride + k_row * p.v_row_stride;
     const float* gLse = lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
     const float* gDelta = delta + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
-    // dq_accum rows: the packed rows (varlen) or max_seqlen_q per batch entry
-    const i64 dq_row0 = cu_seqlens_q ? q_start : i64(batch) * p.max_seqlen_q;
-    float* gdQ = dq_accum + (dq_row0 * p.nheads + head) * kHeadDim;
-    const i64 dq_row_stride = i64(p.nheads) * kHeadDim;
+    // dq_accum (rows_batch, nheads, rows_seqlen_q, headdim): a varlen batch is one entry of its packed rows
+    const i64 dq_rows = (cu_seqlens_q ? i64(head) : i64(batch) * p.nheads + head) * p.rows_seqlen_q + (cu_seqlens_q ? q_start : 0);
+    float* gdQ = dq_accum + dq_rows * kHeadDim;
+    const i64 dq_row_stride = kHeadDim;
 
     const u32 sK_base = smem_u32(sK), sV_base = smem_u32(sV), sQ_base = smem_u32(sQ), sdO_base = smem_u32(sdO);
     const u32 sdS_base = smem_u32(sdS), sLse_base = smem_u32(sLse), sDelta_base = smem_u32(sDelta);

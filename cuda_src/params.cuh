@@ -49,7 +49,8 @@ struct FwdParams {
 struct BwdParams : FwdParams {   // out and lse are the forward's results here
     const u16* dout;             // shape of q
     float* delta;                // D = rowsum(dO * O), laid out as lse
-    float* dq_accum;             // (rows of q, nheads, headdim) float32, contiguous; zeroed by the preprocess
+    float* dq_accum;             // (rows_batch, nheads, rows_seqlen_q, headdim) float32, contiguous: a head's
+                                 //   rows adjacent (the reductions' lines spread over L2); zeroed by the preprocess
     u16* dq;                     // shape of q
     u16* dk;                     // (batch, seqlen_k, nheads, headdim): the main kernel's dK, one slice per
     u16* dv;                     //   query head; with nheads_k == nheads the result itself

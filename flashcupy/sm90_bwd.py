@@ -168,7 +168,7 @@ class Sm90Backward(HopperFamily):
                                     maps + (bytes(TMA_BYTES),))
             box_rows = dq_rows(var.block_m)
             dq_accum_map = (ARGS_TMA_OFFSET + len(maps) * TMA_BYTES, "dq_accum",
-                            lambda dq_accum: tensor_map_of(dq_accum, "float32", box_rows))
+                            lambda dq_accum: tensor_map_of(sm80.dq_accum_rows_view(dq_accum), "float32", box_rows))
             return Replay(build.get_kernel(var), plan, kernel_args.tobytes(), writes + (dq_accum_map,))
 
         return sm80.run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv, q_block=var.block_m)

@@ -136,3 +136,18 @@ def test_backward_variants_cover_short_and_long_problems():
         for mask in ("none", "causal", "local"):
             for score_mod in (False, True):
                 assert sm90_bwd.variant(128, "bfloat16", mask, True, score_mod, seqlen_q) in listed
+
+
+def test_dq_accum_is_head_major():
+    """The float32 dQ accumulator puts heads before rows (BwdParams::dq_accum); the sm90 backward's
+    tensor map sees it in q's index order through a strided view of the same memory."""
+    from flashcupy.sm80 import dq_accum_rows_view, dq_accum_shape
+
+    assert dq_accum_shape((2, 5, 3, 64), 64) == (2, 3, 5, 64)
+    assert dq_accum_shape((7, 3, 64), 64) == (3, 7, 64)  # packed varlen rows
+    dense = np.arange(2 * 3 * 5 * 4).reshape(2, 3, 5, 4)
+    view = dq_accum_rows_view(dense)
+    assert view.shape == (2, 5, 3, 4) and view[1, 4, 2, 3] == dense[1, 2, 4, 3]
+    packed = np.arange(3 * 7 * 4).reshape(3, 7, 4)
+    view = dq_accum_rows_view(packed)
+    assert view.shape == (7, 3, 4) and view[6, 2, 1] == packed[2, 6, 1]
