@@ -426,7 +426,8 @@ def run_backward(problem, device, main, dout, q, k, v, out, lse, dq, dk, dv, q_b
     # What the call allocates besides dq, dk, dv: D, the float32 dQ accumulator, the deterministic
     # mode's semaphores, and under GQA dK, dV per query head (the group sum adds each group).
     specs = {"dq": (q.shape, q.dtype, False), "dk": (k.shape, k.dtype, False), "dv": (v.shape, v.dtype, False),
-             "delta": (lse.shape, cupy.float32, False), "dq_accum": (dq_accum_shape(q.shape, p.head_dim), cupy.float32, False)}
+             "delta": (lse.shape, cupy.float32, False),
+             "dq_accum": (dq_accum_shape(q.shape, p.head_dim), cupy.float32, False)}
     if p.options.deterministic:
         specs["semaphore"] = (plans.semaphores, cupy.int32, True)
     if p.is_gqa:
