@@ -24,13 +24,14 @@
 //     half of the queries; with 80 (no wgmma has an M of 80) half of the columns as
 //       dQ_i^T = K_j^T dS^T                             // dS stored untransposed (stmatrix .trans)
 // Keys on N (head dim 256, where 64 keys x 256 columns of dK and dV per consumer would not fit in
-// registers): kBlockN = 48 keys, kBlockM = 64; per q block each consumer
-//       S = Q_i K_c^T, dP = dO_i V_c^T                  // its 24 keys c, queries on M
-//       P, dS as above -> shared memory, transposed (stmatrix): P^T, dS^T [48 keys][64 queries]
+// registers): kBlockN = 64 keys, kBlockM = 64; per q block each consumer
+//       S = Q_i K_c^T, dP = dO_i V_c^T                  // its 32 keys c, queries on M
+//       P, dS as above -> shared memory, transposed (stmatrix): P^T, dS^T [64 keys][64 queries]
 //       dV_j^T += dO_i^T P^T, dK_j^T += Q_i^T dS^T      // its 128 columns on M, operands in smem
-//       dQ_i = dS K_j                                   // its 128 columns, all 48 keys
-//     with one stage of dO (the dQ tiles take 64 KB of shared memory) and P^T, dS^T in one buffer
-//     each (rewritten once both consumers have read them).
+//       dQ_i = dS K_j                                   // its 128 columns, all 64 keys, in two
+//                                                       // slices of 64 handed off in turn
+//     with one stage of dO and P^T, dS^T in one buffer each (rewritten once both consumers have
+//     read them). 48 keys, with the whole dQ tile at once, measured 2-6% slower.
 // Then dK_j *= softmax_scale; dK_j, dV_j to memory.
 // Has_score_mod instances take the raw scores to natural units before P and fold the softcap's
 // derivative into dS; Is_deterministic ones add each q block's dQ tiles in a fixed key-block order
@@ -39,7 +40,7 @@
 // chunks with the 128-byte swizzle; 2 x kBlockN x kBlockM 16-bit (dS^T twice, or P^T and dS^T;
 // 64-query chunks of [kBlockN keys][64], 128-byte rows, the same swizzle; with 80 queries dS
 // twice, 64-key chunks of [80 queries][64]); per consumer its dQ_i
-// tile (float32, 32-column parts, the same swizzle); kStages x (LSE_i log2 e, D_i); the mbarriers.
+// tile (or slice; float32, 32-column parts, the same swizzle); kStages x (LSE_i log2 e, D_i); the mbarriers.
 #include "sm90.cuh"
 #include "mask.cuh"
 #include "score_mod.cuh"
@@ -72,11 +73,14 @@ struct Sm90BwdTraits {
     // dQ_i: each consumer a kDQRows x kDQCols tile over all the block's keys, staged as float32 in
     // 32-column parts (128-byte rows): with 64 queries, all of them and half of the columns; with 128,
     // its half of the queries (kDQSplitRows) and all columns; with 80 (not a wgmma M), all of them and
-    // half of the columns, computed transposed (kDQTransposed: dQ_i^T = K_j^T dS^T, queries on N)
+    // half of the columns, computed transposed (kDQTransposed: dQ_i^T = K_j^T dS^T, queries on N).
+    // Keys on N, a consumer's 128 columns go in kDQSlices slices of 64, computed and handed off in
+    // turn through one tile (what 64 keys' K and V leave of shared memory holds one slice a consumer)
     static constexpr bool kDQSplitRows = kBlockM == 128;
     static constexpr bool kDQTransposed = !kKeysOnN && kBlockM % 64 != 0;
+    static constexpr int kDQSlices = kKeysOnN ? 2 : 1;
     static constexpr int kDQRows = kDQTransposed ? kBlockM : 64;
-    static constexpr int kDQCols = kDQSplitRows ? kHeadDim : kHeadDim / kConsumerWGs;
+    static constexpr int kDQCols = kDQSplitRows ? kHeadDim : kHeadDim / kConsumerWGs / kDQSlices;
     static constexpr int kDQPartCols = 32, kDQParts = kDQCols / kDQPartCols;
     static constexpr int kDQPartBytes = kDQRows * kDQPartCols * 4, kDQBytes = kDQParts * kDQPartBytes;
     static constexpr int kOffV = kKVBytes;
@@ -102,8 +106,8 @@ struct Sm90BwdTraits {
     static_assert(kKeysOnN || kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64) || (kBlockM == 80 && kHeadDim == 128),
                   "keys on M: q blocks of 64, 128 at head dim 64 (S^T and dP^T take 64 registers each), 80 at 128");
     static_assert(kKeysOnN || kBlockN == 128, "keys on M: two consumer warpgroups of 64 keys");
-    static_assert(!kKeysOnN || (kHeadDim == 256 && kBlockM == 64 && kBlockN == 48),
-                  "keys on N: head dim 256, 64 queries (one wgmma M), 24 keys per consumer");
+    static_assert(!kKeysOnN || (kHeadDim == 256 && kBlockM == 64 && kBlockN == 64),
+                  "keys on N: head dim 256, 64 queries (one wgmma M), 32 keys per consumer");
 };
 
 // The score-mod instances' P^T and a_p (the plain ones compute them in the kernel, where ptxas
@@ -273,27 +277,31 @@ FC_DEVICE void bwd_producer(const Sm90BwdArgs& args, const Sm90BwdBlock<T, Is_ca
                 __syncwarp();
             }
 #pragma unroll
-            for (int c = 0; c < T::kConsumerWGs; ++c) {
-                named_bar_sync(T::kBarDQFull + c, T::kDQHandoff);
-                if (lane == 0) {
-                    const u32 tile = b.smem + T::kOffDQ + c * T::kDQBytes;
+            for (int sl = 0; sl < T::kDQSlices; ++sl) {
 #pragma unroll
-                    for (int h = 0; h < T::kDQParts; ++h)
-                        tma_reduce_add_4d(&args.dq_accum, tile + h * T::kDQPartBytes,
-                                          (T::kDQSplitRows ? 0 : c * T::kDQCols) + h * T::kDQPartCols,
-                                          q_row + (T::kDQSplitRows ? c * T::kDQRows : 0), b.head, b.tma_batch);
-                    bulk_commit();
+                for (int c = 0; c < T::kConsumerWGs; ++c) {
+                    named_bar_sync(T::kBarDQFull + c, T::kDQHandoff);
+                    if (lane == 0) {
+                        const u32 tile = b.smem + T::kOffDQ + c * T::kDQBytes;
+#pragma unroll
+                        for (int h = 0; h < T::kDQParts; ++h)
+                            tma_reduce_add_4d(&args.dq_accum, tile + h * T::kDQPartBytes,
+                                              (T::kDQSplitRows ? 0 : (c * T::kDQSlices + sl) * T::kDQCols) +
+                                                  h * T::kDQPartCols,
+                                              q_row + (T::kDQSplitRows ? c * T::kDQRows : 0), b.head, b.tma_batch);
+                        bulk_commit();
+                    }
                 }
-            }
-            if (Is_deterministic && lane == 0) {
-                bulk_wait<0>();  // added, not only read
-                st_release(sems + m_block, n_rank + 1);
-            }
-            if (it + 1 < b.m_count) {
-                if (lane == 0) bulk_wait_read<0>();
-                __syncwarp();
+                if (Is_deterministic && sl + 1 == T::kDQSlices && lane == 0) {
+                    bulk_wait<0>();  // added, not only read
+                    st_release(sems + m_block, n_rank + 1);
+                }
+                if (it + 1 < b.m_count || sl + 1 < T::kDQSlices) {
+                    if (lane == 0) bulk_wait_read<0>();
+                    __syncwarp();
 #pragma unroll
-                for (int c = 0; c < T::kConsumerWGs; ++c) named_bar_arrive(T::kBarDQEmpty + c, T::kDQHandoff);
+                    for (int c = 0; c < T::kConsumerWGs; ++c) named_bar_arrive(T::kBarDQEmpty + c, T::kDQHandoff);
+                }
             }
         }
         if (lane == 0) bulk_wait<0>();
@@ -630,7 +638,7 @@ struct Sm90ProbsKeysOnN {
     }
 };
 
-// Keys on N: a consumer's 24 keys of S and dP, and its 128 columns of dK, dV and dQ (see the top).
+// Keys on N: a consumer's 32 keys of S and dP, and its 128 columns of dK, dV and dQ (see the top).
 template <class T, bool Is_causal, bool Is_local, bool Is_bf16, bool Has_score_mod>
 FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, Is_causal, Is_local>& b,
                                       const ScoreMod& mod, int tid) {
@@ -736,16 +744,20 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
                 Wgmma<kBlockN, Is_bf16>::ss_tn(acc_dv[mt], gmma_desc_advance(desc_do_m, mt * kBlockM * 128 + kk * 2048),
                                                gmma_desc_advance(desc_pt, kk * 32), 1);
         wgmma_commit();
-        // dQ_i = dS K_j over its columns: A dS^T (M-major: 16 keys 2048 bytes apart), B K (N-major,
-        // 64-column chunks kBlockN * 128 bytes apart)
+        // dQ_i = dS K_j over a slice of its columns: A dS^T (M-major: 16 keys 2048 bytes apart), B K
+        // (N-major, the slice's 64-column chunk)
         const u64 desc_ds = gmma_desc(sdST, kBlockN * 128, 1024);
-        const u64 desc_k = gmma_desc(in_place(sK + (col_wg / 64) * kBlockN * 128), kBlockN * 128, 1024);
         float acc_dq[T::kDQCols / 2];
+        auto issue_dq = [&](int slice) {
+            const u64 desc_k = gmma_desc(in_place(sK + (col_wg / 64 + slice) * kBlockN * 128), kBlockN * 128, 1024);
 #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-            Wgmma<T::kDQCols, Is_bf16>::ss_tt(acc_dq, gmma_desc_advance(desc_ds, kk * 2048),
-                                              gmma_desc_advance(desc_k, kk * 2048), kk > 0);
-        wgmma_commit();
+            for (int kk = 0; kk < kBlockN / 16; ++kk)
+                Wgmma<T::kDQCols, Is_bf16>::ss_tt(acc_dq, gmma_desc_advance(desc_ds, kk * 2048),
+                                                  gmma_desc_advance(desc_k, kk * 2048), kk > 0);
+            wgmma_commit();
+        };
+        static_assert(T::kDQSlices == 2 && T::kDQCols == 64, "keys on N: dQ in two 64-column slices");
+        issue_dq(0);
         // dK^T += Q_i^T dS^T, as dV^T
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) fence_regs(acc_dk[mt]);
@@ -761,20 +773,27 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) fence_regs(acc_dv[mt]);
         mbar_arrive(b.do_empty(sd));
-        wgmma_wait<1>();  // dQ_i done
+        wgmma_wait<1>();  // dQ_i's first slice done
         fence_regs(acc_dq);
         hand_off_dq<T>(smem, consumer, warp, g, t, acc_dq);
-        wgmma_wait<0>();  // dK^T done: Q_i, P^T, dS^T free
+        wgmma_fence();
+        issue_dq(1);  // into the same registers, under dK^T's wgmma
+        wgmma_wait<1>();  // dK^T done: Q_i free
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) fence_regs(acc_dk[mt]);
         mbar_arrive(b.q_empty(s));
+        wgmma_wait<0>();  // the second slice done: P^T, dS^T free
+        fence_regs(acc_dq);
+        hand_off_dq<T>(smem, consumer, warp, g, t, acc_dq);
     }
 
     // dK (times softmax_scale) and dV through shared memory, where stmatrix transposes the fragments
     // into rows of keys (kHeadDim columns, padded by 16 bytes: 8 rows' units fall in different
-    // banks); the Q stages hold them once both consumers' last wgmmas have read Q.
+    // banks); the Q and dO stages hold them once both consumers' last wgmmas have read Q and dO.
     constexpr int kRowBytes = kHeadDim * 2 + 16;
-    static_assert(2 * kBlockN * kRowBytes <= kStages * T::kQBytes, "dK, dV staged in the Q stages");
+    static_assert(T::kOffDO == T::kOffQ + kStages * T::kQBytes &&
+                      2 * kBlockN * kRowBytes <= (kStages + T::kStagesDO) * T::kQBytes,
+                  "dK, dV staged in the Q and dO stages");
     const u32 sdK = in_place(smem_u32(b.smem_ptr)) + T::kOffQ, sdV = sdK + kBlockN * kRowBytes;
     named_bar_sync(T::kBarDS, T::kConsumers);
     {

@@ -219,12 +219,15 @@ struct Wgmma {
                   "wgmma N of the sm90 kernels (add its register lists above for another)");
     static constexpr int kRegs = N / 2;  // float32 accumulators per thread
 
+// Each form lists its N's, then FC_WGMMA_NONE: an N it lacks fails to compile (it would emit nothing).
 #define FC_WGMMA_CASE(NN, R, MACRO, ...)                                                                \
     if constexpr (N == NN) {                                                                             \
         if constexpr (Is_bf16) MACRO(NN, R, "bf16", __VA_ARGS__); else MACRO(NN, R, "f16", __VA_ARGS__); \
-    }
+    } else
+#define FC_WGMMA_NONE static_assert(N < 0, "this wgmma form lacks this N: add its case");
     static FC_DEVICE void ss(float (&d)[kRegs], u64 desc_a, u64 desc_b, int scale_d) {
         FC_WGMMA_CASE(24, 12, FC_WGMMA_SS, 12, 13, 14, "0, 0")
+        FC_WGMMA_CASE(32, 16, FC_WGMMA_SS, 16, 17, 18, "0, 0")
         FC_WGMMA_CASE(64, 32, FC_WGMMA_SS, 32, 33, 34, "0, 0")
         FC_WGMMA_CASE(80, 40, FC_WGMMA_SS, 40, 41, 42, "0, 0")
         FC_WGMMA_CASE(96, 48, FC_WGMMA_SS, 48, 49, 50, "0, 0")
@@ -232,17 +235,21 @@ struct Wgmma {
         FC_WGMMA_CASE(176, 88, FC_WGMMA_SS, 88, 89, 90, "0, 0")
         FC_WGMMA_CASE(192, 96, FC_WGMMA_SS, 96, 97, 98, "0, 0")
         FC_WGMMA_CASE(256, 128, FC_WGMMA_SS, 128, 129, 130, "0, 0")
+        FC_WGMMA_NONE
     }
     // A MN-major (its M dimension contiguous), B N-major, both in shared memory
     static FC_DEVICE void ss_tt(float (&d)[kRegs], u64 desc_a, u64 desc_b, int scale_d) {
         FC_WGMMA_CASE(32, 16, FC_WGMMA_SS, 16, 17, 18, "1, 1")
         FC_WGMMA_CASE(64, 32, FC_WGMMA_SS, 32, 33, 34, "1, 1")
         FC_WGMMA_CASE(128, 64, FC_WGMMA_SS, 64, 65, 66, "1, 1")
+        FC_WGMMA_NONE
     }
     // A MN-major, B K-major, both in shared memory
     static FC_DEVICE void ss_tn(float (&d)[kRegs], u64 desc_a, u64 desc_b, int scale_d) {
         FC_WGMMA_CASE(48, 24, FC_WGMMA_SS, 24, 25, 26, "1, 0")
+        FC_WGMMA_CASE(64, 32, FC_WGMMA_SS, 32, 33, 34, "1, 0")
         FC_WGMMA_CASE(80, 40, FC_WGMMA_SS, 40, 41, 42, "1, 0")
+        FC_WGMMA_NONE
     }
     static FC_DEVICE void rs(float (&d)[kRegs], const u32 (&a)[4], u64 desc_b) {
         FC_WGMMA_CASE(64, 32, FC_WGMMA_RS, 36, 37)
@@ -252,8 +259,10 @@ struct Wgmma {
         FC_WGMMA_CASE(176, 88, FC_WGMMA_RS, 92, 93)
         FC_WGMMA_CASE(192, 96, FC_WGMMA_RS, 100, 101)
         FC_WGMMA_CASE(256, 128, FC_WGMMA_RS, 132, 133)
+        FC_WGMMA_NONE
     }
 #undef FC_WGMMA_CASE
+#undef FC_WGMMA_NONE
 };
 
 // ---- thread block clusters: a barrier over every thread of the cluster, and loads from another
