@@ -30,14 +30,14 @@
 //       dV_j^T += dO_i^T P^T, dK_j^T += Q_i^T dS^T      // its 128 columns on M, operands in smem
 //       dQ_i = dS K_j                                   // its 128 columns, all 64 keys, in two
 //                                                       // slices of 64 handed off in turn
-//     with one stage of dO and P^T, dS^T in one buffer each (rewritten once both consumers have
-//     read them). 48 keys, with the whole dQ tile at once, measured 2-6% slower.
+//     with one stage of dO, and P^T, dS^T in two buffers each, alternating (48 keys with the whole
+//     dQ tile at once read slower: docs/PERF_NOTES.md).
 // Then dK_j *= softmax_scale; dK_j, dV_j to memory.
 // Has_score_mod instances take the raw scores to natural units before P and fold the softcap's
 // derivative into dS; Is_deterministic ones add each q block's dQ tiles in a fixed key-block order
 // (a semaphore per q block); a sink needs nothing here (it is in the LSE).
 // Shared memory: K, V (kBlockN rows), kStages x Q, kStagesDO x dO (kBlockM rows), each as 64-column
-// chunks with the 128-byte swizzle; 2 x kBlockN x kBlockM 16-bit (dS^T twice, or P^T and dS^T;
+// chunks with the 128-byte swizzle; kDSBuffers x kBlockN x kBlockM 16-bit (dS^T twice, or P^T and dS^T twice;
 // 64-query chunks of [kBlockN keys][64], 128-byte rows, the same swizzle; with 80 queries dS
 // twice, 64-key chunks of [80 queries][64]); per consumer its dQ_i
 // tile (or slice; float32, 32-column parts, the same swizzle); kStages x (LSE_i log2 e, D_i); the mbarriers.
@@ -68,6 +68,7 @@ struct Sm90BwdTraits {
     static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
     static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // Q or dO, one stage
     static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // dS^T, dS or P^T, one buffer (layouts above)
+    static constexpr int kDSBuffers = kKeysOnN ? 4 : 2;       // keys on N, P^T and dS^T twice
     // Keys on N: a consumer's keys of S and dP, and its columns of dK, dV and dQ
     static constexpr int kWGKeys = kBlockN / kConsumerWGs, kWGCols = kHeadDim / kConsumerWGs;
     // dQ_i: each consumer a kDQRows x kDQCols tile over all the block's keys, staged as float32 in
@@ -87,7 +88,7 @@ struct Sm90BwdTraits {
     static constexpr int kOffQ = 2 * kKVBytes;
     static constexpr int kOffDO = kOffQ + kStages * kQBytes;
     static constexpr int kOffDS = kOffDO + kStagesDO * kQBytes;
-    static constexpr int kOffDQ = kOffDS + 2 * kDSBytes;
+    static constexpr int kOffDQ = kOffDS + kDSBuffers * kDSBytes;
     static constexpr int kOffLse = kOffDQ + kConsumerWGs * kDQBytes;  // per stage LSE_i log2 e, then D_i
     static constexpr int kOffBar = kOffLse + kStages * 2 * kBlockM * 4;
     // mbarriers (8 bytes each from kOffBar): K and V full; per stage Q (with LSE, D; and dO with keys
@@ -99,8 +100,8 @@ struct Sm90BwdTraits {
     static constexpr int kStageLoaders = 64;  // producer threads that copy a stage's LSE and D
     static constexpr int kSmemBytes = kOffBar + kBarriers * 8 + 1024;
     // Named barriers: dS^T written (both consumers read all of it), then per consumer its dQ tile
-    // written (to warp 3) and read (from warp 3); keys on N, P^T and dS^T read by both consumers.
-    static constexpr int kBarDS = 1, kBarDQFull = 2, kBarDQEmpty = 4, kBarPdSRead = 6, kDQHandoff = 128 + 32;
+    // written (to warp 3) and read (from warp 3).
+    static constexpr int kBarDS = 1, kBarDQFull = 2, kBarDQEmpty = 4, kDQHandoff = 128 + 32;
     static_assert(kKeysOnN || kHeadDim == 64 || kHeadDim == 128,
                   "keys on M: head dims 64 and 128 (dQ: 64 x 32 or 64 x 64 per warpgroup)");
     static_assert(kKeysOnN || kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64) || (kBlockM == 80 && kHeadDim == 128),
@@ -646,7 +647,6 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
     constexpr int kNT = T::kWGKeys / 8;   // n tiles of S and dP
     constexpr int kMT = T::kWGCols / 64;  // m tiles (64 columns) of dK^T and dV^T
     const u32 smem = b.smem, sK = smem, sV = smem + T::kOffV, sQ = smem + T::kOffQ, sdO = smem + T::kOffDO;
-    const u32 sPT = smem + T::kOffDS, sdST = sPT + T::kDSBytes;
     const int seqlen_q = b.seq.seqlen_q, seqlen_k = b.seq.seqlen_k, key0 = b.key0;
     const int consumer = tid / 128 - 1, lane = tid & 31, warp = (tid / 32) % 4, g = lane >> 2, t = lane & 3;
     const int key_wg = T::kWGKeys * consumer;  // this warpgroup's first key in the block
@@ -715,9 +715,9 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
             seqlen_q, seqlen_k, needs_mask};
         if constexpr (Has_score_mod) mod.dispatch(probs);
         else probs.template run<false, false>();
-        // the last q block's P^T and dS^T are read by both consumers' wgmmas, which each finished
-        // (wgmma_wait<0>) before coming here
-        if (it > 0) named_bar_sync(T::kBarPdSRead, T::kConsumers);
+        // P^T and dS^T alternate between two buffers: the other consumer read this pair two q
+        // blocks ago, and has waited for its wgmmas (wgmma_wait<0>) before the last kBarDS
+        const u32 sPT = smem + T::kOffDS + (it & 1) * 2 * T::kDSBytes, sdST = sPT + T::kDSBytes;
         store_transposed(sPT, acc_s);
         wgmma_wait<0>();  // dP done
         fence_regs(acc_dp);

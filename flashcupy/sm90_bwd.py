@@ -63,13 +63,16 @@ def dq_rows(block: int) -> int:
 
 
 def smem_bytes(head_dim: int, block_m: int, stages: int) -> int:
-    """K, V, stages x Q, dO's stages, 2 x dS^T (or P^T and dS^T), the dQ tile (float32, split between
-    the consumers, one slice of it), stages x (LSE, D), the mbarriers, 1024 bytes of alignment
-    (Sm90BwdTraits)."""
+    """K, V, stages x Q, dO's stages, 2 x dS^T (or twice P^T and dS^T), the dQ tile (float32, split
+    between the consumers, one slice of it), stages x (LSE, D), the mbarriers, 1024 bytes of
+    alignment (Sm90BwdTraits)."""
     block_n = BLOCK_N[head_dim]
-    stages_do = 1 if head_dim > 128 else stages
-    barriers = 1 + 2 * stages + (2 * stages_do if head_dim > 128 else 0)
-    return (2 * block_n * head_dim * 2 + (stages + stages_do) * block_m * head_dim * 2 + 2 * block_n * block_m * 2
+    keys_on_n = head_dim > 128
+    stages_do = 1 if keys_on_n else stages
+    barriers = 1 + 2 * stages + (2 * stages_do if keys_on_n else 0)
+    ds_buffers = 4 if keys_on_n else 2
+    return (2 * block_n * head_dim * 2 + (stages + stages_do) * block_m * head_dim * 2
+            + ds_buffers * block_n * block_m * 2
             + block_m * head_dim * 4 // DQ_SLICES[head_dim] + stages * 2 * block_m * 4 + barriers * 8 + 1024)
 
 
