@@ -201,6 +201,9 @@ FC_DEVICE void bwd_producer(const Sm90BwdArgs& args, const Sm90BwdBlock<T, Is_ca
         constexpr int kRows = (kBlockM + T::kStageLoaders - 1) / T::kStageLoaders;
         const float* gLse = p.lse + b.batch * p.lse_batch_stride + b.head * p.lse_head_stride + b.seq.q_start;
         const float* gDelta = p.delta + b.batch * p.lse_batch_stride + b.head * p.lse_head_stride + b.seq.q_start;
+        bool row_in_block[kRows];  // with 80 queries a step, the second row only for r < 16
+#pragma unroll
+        for (int j = 0; j < kRows; ++j) row_in_block[j] = kBlockM % 64 == 0 || r + 64 * j < kBlockM;
         for (int it = 0; it < b.m_count; ++it) {
             const int s = it % kStages;
             float* stage = b.lse_stage(s);
@@ -208,14 +211,14 @@ FC_DEVICE void bwd_producer(const Sm90BwdArgs& args, const Sm90BwdBlock<T, Is_ca
 #pragma unroll
             for (int j = 0; j < kRows; ++j) {
                 const int q = (b.m_block_min + it) * kBlockM + r + 64 * j;
-                const bool in = q < b.seq.seqlen_q && (kBlockM % 64 == 0 || r + 64 * j < kBlockM);
+                const bool in = row_in_block[j] && q < b.seq.seqlen_q;
                 l[j] = in ? gLse[q] : FC_INF;  // past the queries: P = 0
                 d[j] = in ? gDelta[q] : 0.f;
             }
             mbar_wait(b.q_empty(s), ((it / kStages) & 1) ^ 1);
 #pragma unroll
             for (int j = 0; j < kRows; ++j) {
-                if (kBlockM % 64 != 0 && r + 64 * j >= kBlockM) break;
+                if (!row_in_block[j]) break;
                 stage[r + 64 * j] = l[j] == -FC_INF ? FC_INF : l[j] * kLog2e;  // a row without keys: P = 0, not NaN
                 stage[kBlockM + r + 64 * j] = d[j];
             }
@@ -353,6 +356,27 @@ FC_DEVICE void hand_off_dq(u32 smem, int consumer, int warp, int g, int t, const
         }
     fence_proxy_async_shared();  // visible to the TMA reduction
     named_bar_arrive(T::kBarDQFull + consumer, T::kDQHandoff);
+}
+
+// dK and dV from their rows staged at the Q stages (kBlockN rows of dK, then as many of dV,
+// kRowBytes apart; unit u of row r at unit_offset(r, u) bytes into its row) to memory: 16-byte
+// units, consecutive consumer threads along a row.
+template <int kRowBytes, class T, bool Is_causal, bool Is_local, class UnitOffset>
+FC_DEVICE void store_staged_dk_dv(const BwdParams& p, const Sm90BwdBlock<T, Is_causal, Is_local>& b, int tid,
+                                  UnitOffset unit_offset) {
+    u16* gdK = p.dk + b.batch * p.dk_batch_stride + b.head * p.dk_head_stride + i64(b.seq.k_start) * p.dk_row_stride;
+    u16* gdV = p.dv + b.batch * p.dv_batch_stride + b.head * p.dv_head_stride + i64(b.seq.k_start) * p.dv_row_stride;
+    constexpr int kUnits = T::kHeadDim / 8;
+    const unsigned char* staged = b.smem_ptr + T::kOffQ;
+    for (int idx = tid - 128; idx < T::kBlockN * kUnits; idx += T::kConsumers) {
+        const int r = idx / kUnits, u = idx % kUnits, key = b.key0 + r;
+        if (key < b.seq.seqlen_k) {
+            const int at = r * kRowBytes + unit_offset(r, u);
+            *reinterpret_cast<uint4*>(gdK + key * p.dk_row_stride + 8 * u) = *reinterpret_cast<const uint4*>(staged + at);
+            *reinterpret_cast<uint4*>(gdV + key * p.dv_row_stride + 8 * u) =
+                *reinterpret_cast<const uint4*>(staged + T::kBlockN * kRowBytes + at);
+        }
+    }
 }
 
 // P^T = exp2(S^T scale_log2 - LSE) in place of S^T (keys on M, plain scores): element e of tile nt
@@ -593,19 +617,7 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
         }
     }
     named_bar_sync(T::kBarDS, T::kConsumers);
-    u16* gdK = p.dk + b.batch * p.dk_batch_stride + b.head * p.dk_head_stride + i64(b.seq.k_start) * p.dk_row_stride;
-    u16* gdV = p.dv + b.batch * p.dv_batch_stride + b.head * p.dv_head_stride + i64(b.seq.k_start) * p.dv_row_stride;
-    constexpr int kUnits = kHeadDim / 8;
-    const unsigned char* staged = b.smem_ptr + T::kOffQ;
-    for (int idx = tid - 128; idx < kBlockN * kUnits; idx += T::kConsumers) {
-        const int r = idx / kUnits, u = idx % kUnits, key = key0 + r;
-        if (key < seqlen_k) {
-            const int at = r * kRowBytes + ((u ^ (r & 7)) << 4);
-            *reinterpret_cast<uint4*>(gdK + key * p.dk_row_stride + 8 * u) = *reinterpret_cast<const uint4*>(staged + at);
-            *reinterpret_cast<uint4*>(gdV + key * p.dv_row_stride + 8 * u) =
-                *reinterpret_cast<const uint4*>(staged + kBlockN * kRowBytes + at);
-        }
-    }
+    store_staged_dk_dv<kRowBytes>(p, b, tid, [](int r, int u) { return (u ^ (r & 7)) << 4; });
 }
 
 // Keys on N: P and dCap for a consumer's S tile (64 queries x kNT n tiles of 8 keys): element e of
@@ -816,20 +828,7 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
             }
     }
     named_bar_sync(T::kBarDS, T::kConsumers);
-    // 16-byte units, consecutive threads along a row
-    u16* gdK = p.dk + b.batch * p.dk_batch_stride + b.head * p.dk_head_stride + i64(b.seq.k_start) * p.dk_row_stride;
-    u16* gdV = p.dv + b.batch * p.dv_batch_stride + b.head * p.dv_head_stride + i64(b.seq.k_start) * p.dv_row_stride;
-    constexpr int kUnits = kHeadDim / 8;
-    const unsigned char* staged = b.smem_ptr + T::kOffQ;
-    for (int idx = tid - 128; idx < kBlockN * kUnits; idx += T::kConsumers) {
-        const int r = idx / kUnits, u = idx % kUnits, key = key0 + r;
-        if (key < seqlen_k) {
-            *reinterpret_cast<uint4*>(gdK + key * p.dk_row_stride + 8 * u) =
-                *reinterpret_cast<const uint4*>(staged + r * kRowBytes + 16 * u);
-            *reinterpret_cast<uint4*>(gdV + key * p.dv_row_stride + 8 * u) =
-                *reinterpret_cast<const uint4*>(staged + kBlockN * kRowBytes + r * kRowBytes + 16 * u);
-        }
-    }
+    store_staged_dk_dv<kRowBytes>(p, b, tid, [](int, int u) { return u << 4; });
 }
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool Is_causal, bool Is_local, bool Is_bf16,
