@@ -96,3 +96,31 @@ def test_performance_warning_fails_the_compile():
     with pytest.raises(build.KernelCompileError, match="serialized"):
         build.check_ptxas_log(log, variant, "sm_90a")
     build.check_ptxas_log("ptxas info    : Used 168 registers, used 16 barriers\n", variant, "sm_90a")
+
+
+
+@pytest.mark.parametrize("form, n, compiles", [("ss", 32, True), ("ss", 40, False), ("ss_tn", 64, True),
+                                               ("ss_tt", 48, False), ("rs", 24, False), ("rs", 64, True)])
+def test_wgmma_forms_refuse_an_n_they_lack(form, n, compiles):
+    """Each wgmma form in sm90.cuh lists the N's it has: an instance for one of them emits its
+    instruction, one for any other fails to compile (it once compiled to nothing, and a kernel ran on
+    without its products). To PTX only: the check is the front end's."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    from flashcupy import sm90_fwd
+
+    call = f"Wgmma<{n}, true>::{form}(d, " + ("a, 0" if form == "rs" else "0, 0, 1") + ");"
+    source = (build.load_source("sm90.cuh") + f"\n__global__ void probe(float* out) {{ float d[{n // 2}] = {{}};"
+              f" const u32 a[4] = {{}}; {call} out[threadIdx.x] = d[0]; }}\n")
+    options = [o for o in sm90_fwd.NVRTC_OPTIONS if not o.startswith("-arch")] + ["-arch=compute_90a"]
+    prog = nvrtc.createProgram(source, "probe.cu", [], [])
+    try:
+        if compiles:
+            nvrtc.compileProgram(prog, options)
+            assert f"wgmma.mma_async.sync.aligned.m64n{n}k16".encode() in nvrtc.getPTX(prog)
+        else:
+            with pytest.raises(nvrtc.NVRTCError):
+                nvrtc.compileProgram(prog, options)
+            assert "this wgmma form lacks this N" in nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
