@@ -112,8 +112,15 @@ class Sm90FwdVariant:
 
     @property
     def layout_check(self) -> str:
+        """The shared-memory size, and where O is staged (o_buffer: the O tensor map is written for
+        it), as the kernel's traits have them."""
         t = self.tile
-        return build.smem_check(f"Sm90FwdTraits<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}>", self)
+        traits = f"Sm90FwdTraits<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}>"
+        o = o_buffer(self.head_dim, t, self.mask)
+        return (build.smem_check(traits, self) + "\n"
+                + f"static_assert({traits}::kOOwnBuffer == {cpp_bool(o == 'own')} && ({traits}::kOInQ && "
+                  f"{cpp_bool(self.mask == 'none')}) == {cpp_bool(o == 'q')}, "
+                  f'"{self}: O staged as sm90_fwd.o_buffer says ({o or "nowhere"})");')
 
     def __str__(self) -> str:
         t = self.tile

@@ -124,3 +124,14 @@ def test_wgmma_forms_refuse_an_n_they_lack(form, n, compiles):
             assert "this wgmma form lacks this N" in nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def test_o_staging_that_python_and_the_kernel_disagree_on_fails_the_compile(monkeypatch):
+    """The sm90 forward's layout check holds sm90_fwd.o_buffer (which writes O's tensor map) to the
+    kernel traits' own choice of where O's tile is staged."""
+    from flashcupy import sm90_fwd
+
+    variant = sm90_fwd.variant(256, "bfloat16", "none")  # staged in the Q buffer
+    monkeypatch.setattr(sm90_fwd, "o_buffer", lambda *args: "")
+    with pytest.raises(build.KernelCompileError, match=r"O staged as sm90_fwd.o_buffer says \(nowhere\)"):
+        build.compile_cubin(variant, "sm_90a")
