@@ -25,9 +25,6 @@ HEAD_DIMS = (64, 128, 256)
 # Keys per thread block: 128 (64 per consumer warpgroup, on the wgmma's M) up to head dim 128; 64 at
 # 256 (32 per consumer, on N), where dK^T and dV^T put the columns on M
 BLOCK_N = {64: 128, 128: 128, 256: 64}
-# Slices of a consumer's dQ columns handed off in turn through one float32 tile (at 256, where two
-# whole tiles do not fit beside 64 keys' K and V)
-DQ_SLICES = {64: 1, 128: 1, 256: 2}
 # Q stages by (head dim, queries per step): 3 at d=128 measured level with 2, 4 at d=64 and 64
 # queries 1-7% faster than 2; with 128 queries at d=64, 2 fill shared memory; at d=256 dO has one
 # stage of its own (Sm90BwdTraits::kStagesDO), elsewhere it shares Q's
@@ -64,16 +61,17 @@ def dq_rows(block: int) -> int:
 
 def smem_bytes(head_dim: int, block_m: int, stages: int) -> int:
     """K, V, stages x Q, dO's stages, 2 x dS^T (or twice P^T and dS^T), the dQ tile (float32, split
-    between the consumers, one slice of it), stages x (LSE, D), the mbarriers, 1024 bytes of
-    alignment (Sm90BwdTraits)."""
+    between the consumers; with keys on N one of its two column slices, handed off in turn),
+    stages x (LSE, D), the mbarriers, 1024 bytes of alignment (Sm90BwdTraits)."""
     block_n = BLOCK_N[head_dim]
     keys_on_n = head_dim > 128
     stages_do = 1 if keys_on_n else stages
     barriers = 1 + 2 * stages + (2 * stages_do if keys_on_n else 0)
     ds_buffers = 4 if keys_on_n else 2
+    dq_slices = 2 if keys_on_n else 1
     return (2 * block_n * head_dim * 2 + (stages + stages_do) * block_m * head_dim * 2
             + ds_buffers * block_n * block_m * 2
-            + block_m * head_dim * 4 // DQ_SLICES[head_dim] + stages * 2 * block_m * 4 + barriers * 8 + 1024)
+            + block_m * head_dim * 4 // dq_slices + stages * 2 * block_m * 4 + barriers * 8 + 1024)
 
 
 @dataclass(frozen=True)
