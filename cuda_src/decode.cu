@@ -243,16 +243,38 @@ FC_DEVICE void load_q(u32 s_tile, const DecodeParams& p, const Block& blk, int t
 
 // K and V of keys key0 .. key0 + kRows - 1 into two (kRows x kHeadDim) shared tiles, 16 bytes per
 // cp.async, by kThreads threads (tid: this one's index among them); keys at or past seqlen_k are
-// zero-filled (reading nothing). Each row is found on its own (a table read per row when paged):
-// finding a group of 16 from its first row (CacheRows::groups_of_16_in_one_page, as StagedRows
-// does) made ptxas spill 4-16 bytes in sm_80 instances, which no sm80 GPU here could weigh.
+// zero-filled (reading nothing). Each row is found on its own (a table read per row when paged),
+// but for a warp's 16 rows (key0 a multiple of 16) on sm90, which are found from their first row
+// where they lie in one page (CacheRows::groups_of_16_in_one_page, as StagedRows does): on an H200
+// at d=256 that took a paged cache from 0.78-0.88 of the contiguous one's speed to level, and the
+// contiguous one up to 10% faster. In sm_80 instances it made ptxas spill 4-16 bytes, which no sm80
+// GPU here could weigh.
 template <int kRows, int kHeadDim, int kThreads>
 FC_DEVICE void load_kv(u32 sK, u32 sV, const CacheRows& cache, int leftpad, int key0, int seqlen_k, int tid) {
-    constexpr int kChunks = kHeadDim / 8, kRowsPerPass = kThreads / kChunks, kPasses = kRows / kRowsPerPass;
-    static_assert(kThreads % kChunks == 0 && kRows % kRowsPerPass == 0, "whole rows per pass");
+    constexpr int kChunks = kHeadDim / 8, kRowsPerPass = kThreads / kChunks;
+    constexpr int kPasses = (kRows + kRowsPerPass - 1) / kRowsPerPass;
+    static_assert(kRowsPerPass >= 1, "a whole row per pass at least");
     const int chunk = tid % kChunks, r0 = tid / kChunks;
+    // head dims 96 and 192: the chunks of whole rows leave kThreads % kChunks threads out, and the
+    // last pass may hold fewer rows
+    if (kThreads % kChunks != 0 && r0 >= kRowsPerPass) return;
+#if __CUDA_ARCH__ >= 900
+    if (kRows == 16 && cache.groups_of_16_in_one_page()) {
+        i64 k_at = 0, v_at = 0;
+        if (key0 < seqlen_k) cache.find(leftpad + key0 + r0, k_at, v_at);  // the page of all 16 rows
+#pragma unroll
+        for (int i = 0; i < kPasses; ++i) {
+            const bool valid = key0 + r0 + i * kRowsPerPass < seqlen_k;
+            const u32 s_at = ((r0 + i * kRowsPerPass) * SmemTile<kHeadDim>::kPitch + chunk * 8) * 2;
+            cp_async_16(sK + s_at, cache.k + k_at + i * kRowsPerPass * cache.k_row + chunk * 8, valid ? 16 : 0);
+            cp_async_16(sV + s_at, cache.v + v_at + i * kRowsPerPass * cache.v_row + chunk * 8, valid ? 16 : 0);
+        }
+        return;
+    }
+#endif
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
+        if (kRows % kRowsPerPass != 0 && r0 + i * kRowsPerPass >= kRows) break;
         const int key = key0 + r0 + i * kRowsPerPass;
         const u32 s_at = ((r0 + i * kRowsPerPass) * SmemTile<kHeadDim>::kPitch + chunk * 8) * 2;
         i64 k_at = 0, v_at = 0;
@@ -277,11 +299,13 @@ template <int kHeadDim>
 struct StagedRows {
     static constexpr int kChunks = kHeadDim / 8, kRowsPerPass = 32 / kChunks, kPasses = 16 / kRowsPerPass;
     static_assert(kChunks <= 32 && 16 % kRowsPerPass == 0, "whole rows per pass");
+    // head dim 96: 2 rows of 12 chunks per pass, lanes 24-31 idle
+    FC_DEVICE static bool idle(int lane) { return kRowsPerPass * kChunks < 32 && lane >= kRowsPerPass * kChunks; }
     uint4 k[kPasses], v[kPasses];
     int blocks[kPasses] = {};  // paged: the blocks of the rows of the next load (in one page: of its first row)
 
     FC_DEVICE void fetch_blocks(const CacheRows& cache, int leftpad, int key0, int seqlen_k, int lane) {
-        if (!cache.table) return;
+        if (!cache.table || idle(lane)) return;
         if (cache.groups_of_16_in_one_page()) {
             blocks[0] = key0 < seqlen_k ? cache.block_of(leftpad + key0) : 0;
             return;
@@ -294,6 +318,7 @@ struct StagedRows {
         }
     }
     FC_DEVICE void load(const CacheRows& cache, int leftpad, int key0, int seqlen_k, int lane) {
+        if (idle(lane)) return;
         const int chunk = lane % kChunks, r0 = lane / kChunks;
         if (cache.groups_of_16_in_one_page()) {
             i64 k_at, v_at;
@@ -323,6 +348,7 @@ struct StagedRows {
         }
     }
     FC_DEVICE void store(u32 sK, u32 sV, int lane) const {
+        if (idle(lane)) return;
         const int chunk = lane % kChunks, r0 = lane / kChunks;
 #pragma unroll
         for (int i = 0; i < kPasses; ++i) {
@@ -545,7 +571,7 @@ FC_DEVICE void decode_attention(const DecodeParams& p) {
     // the next step's rows wait in registers while this step computes (StagedRows), and go to
     // shared memory after it.
 #if __CUDA_ARCH__ >= 900
-    constexpr bool kStaged = kHeadDim <= 128;  // 256: 128 registers of rows
+    constexpr bool kStaged = kHeadDim <= 128;  // 192 and 256: 128 registers of rows
 #else
     constexpr bool kStaged = false;
 #endif

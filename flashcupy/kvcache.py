@@ -19,7 +19,7 @@ from .configs import cpp_bool, mask_flags
 from .launch import LaunchPlan
 from .problem import AttentionOptions, Problem
 
-HEAD_DIMS = (32, 64, 128, 256)  # a block's threads copy whole rows of 16-byte chunks
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 NVRTC_OPTIONS = sm80.NVRTC_OPTIONS
 MAX_SPLITS = 128  # the merge keeps a weight per split of a row in shared memory, a lane's 4 per warp
 MIN_KEYS_PER_SPLIT = 128  # less and the partials' traffic outweighs the parallelism
@@ -27,10 +27,13 @@ MIN_KEYS_PER_SPLIT = 128  # less and the partials' traffic outweighs the paralle
 # flash_decode_kernel: 16 packed query rows per block, its warps splitting the keys 16 each; by head
 # dim, (warps, ring stages), each block within 99 KiB of shared memory (every sm80+ GPU).
 DECODE_BLOCK_M = 16
-DECODE_TILES = {32: (4, 8), 64: (4, 5), 128: (4, 2), 256: (2, 2)}
-# Hopper's own at 128 (H200, bf16, 32 query heads; the rows staged through registers, two stages
-# suffice): 8 warps (140 KiB, a block per SM) from 1 x 1k to 32 x 64k keys.
-DECODE_TILES_SM90 = {128: (8, 2)}
+DECODE_TILES = {32: (4, 8), 64: (4, 5), 96: (4, 2), 128: (4, 2), 192: (2, 3), 256: (2, 2)}
+# Hopper's own at 96 and 128 (H200, bf16, 32 query heads; the rows staged through registers, two
+# stages suffice): 8 warps (110 and 140 KiB, a block per SM) from 1 x 1k to 32 x 64k keys. At 192
+# and 256 (rows by cp.async) tiles that fill shared memory, 211 KiB. Against the sm80 tiles, H200,
+# GQA 32/8, 1 / 8 / 32 sequences of 8k keys: d=96 14.9 / 58.9 / 202.9 us from 16.2 / 60.6 / 206.8;
+# d=192 22.7 / 108 / 391 from 47.6 / 146 / 451; d=256 36.3 / 141 / 516 from 64.2 / 151 / 559.
+DECODE_TILES_SM90 = {96: (8, 2), 128: (8, 2), 192: (8, 2), 256: (4, 3)}
 # Its smaller tiles, for calls that the rule leaves unsplit: of the long tile and these, the first
 # whose SM slots hold the blocks in one wave (caches of at most SHORT_KEYS rows) or in LONG_WAVES
 # waves (longer caches), else the last. Where the blocks outnumber a tile's slots, smaller blocks
@@ -41,7 +44,7 @@ DECODE_TILES_SM90 = {128: (8, 2)}
 # 256 blocks 946 and 3768 us with 8 warps against 948 and 3792 with 4; 1024 blocks 948 with 4 warps
 # against 952 with 2 and 957 with 8; 4096 blocks 3761 with 2 warps against 3780 with 4 and 3835 with
 # 8 (128 x 8k MHA), 15160-15190 against 15240-15250 and 15400 (128 x 32k MHA).
-DECODE_TILES_SM90_SMALL = {128: ((4, 2), (2, 2))}
+DECODE_TILES_SM90_SMALL = {96: ((4, 2), (2, 2)), 128: ((4, 2), (2, 2))}
 SHORT_KEYS = 2048
 LONG_WAVES = 4
 # Split counts whose splits may run as one cluster of blocks on Hopper (the long tile, by head dim),
@@ -49,7 +52,7 @@ LONG_WAVES = 4
 # by a count in global memory (1-1.5 us less a call on an H100). Taken only where the GPU holds
 # every q block's cluster at once: a cluster's blocks share a GPC, so an H100 holds 66 clusters of 2
 # and 15 of 8 of these one-per-SM blocks (132 and 120 SMs); beyond that the count is faster.
-DECODE_CLUSTERS_SM90 = {128: (2, 8)}
+DECODE_CLUSTERS_SM90 = {96: (2, 8), 128: (2, 8)}
 # Registers per thread of the sm90 decode kernels that stage rows in registers (head dims up to
 # 128; ptxas: up to 236 at 128), rounded up to a warp's allocation unit of 256: they, not shared
 # memory, bound the blocks per SM.
@@ -58,9 +61,9 @@ STAGED_REGISTERS = 240
 # flash_decode_kernel, more to flash_prefill_kernel, whose warps split the rows instead.
 DECODE_MAX_ROWS = 32
 # flash_prefill_kernel: 64 packed rows per block, 4 warps, two stages of BLOCK_N keys; 32 keys at
-# 256 keep the stages within an Ampere/Ada block's 99 KiB.
+# 192 and 256 keep the stages within an Ampere/Ada block's 99 KiB.
 PREFILL_BLOCK_M = 64
-PREFILL_BLOCK_N = {32: 64, 64: 64, 128: 64, 256: 32}
+PREFILL_BLOCK_N = {32: 64, 64: 64, 96: 64, 128: 64, 192: 32, 256: 32}
 
 
 def num_splits_for(batch: int, head_groups: int, m_blocks: int, key_capacity: int, slots: int) -> int:

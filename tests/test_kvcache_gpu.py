@@ -67,7 +67,7 @@ def run_case(rng, *, batch, seqlen_q, nheads, nheads_k, head_dim=128, dtype_name
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("nheads, nheads_k", [(8, 2), (4, 4), (8, 1)])
 def test_decode_one_token(dtype_name, head_dim, nheads, nheads_k):
     rng = np.random.default_rng(head_dim + nheads_k)
@@ -88,7 +88,7 @@ def test_chunked_prefill():
              causal=True)
 
 
-@pytest.mark.parametrize("head_dim, num_splits", [(32, 100), (128, 128), (64, 4096)])
+@pytest.mark.parametrize("head_dim, num_splits", [(32, 100), (128, 128), (64, 4096), (96, 5), (192, 7)])
 def test_many_rows_many_splits(head_dim, num_splits):
     """80 packed rows (the prefill kernel) and up to more splits than keys: the last split's block
     merges its rows in chunks whose weights fit its shared memory; num_splits past MAX_SPLITS is
@@ -104,7 +104,7 @@ def test_full_and_empty_caches_without_append(seqlens):
     run_case(rng, batch=2, seqlen_q=1, nheads=8, nheads_k=2, seqlens=seqlens)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("page_size", [1, 7, 16, 17, 40, 48, 64, 256])
 def test_paged_shuffled_tables(page_size, head_dim):
     """Page sizes a multiple of 16 (a warp's 16 rows of a step in one page: one table read) and
@@ -114,7 +114,7 @@ def test_paged_shuffled_tables(page_size, head_dim):
              seqlen_new=2, page_size=page_size, num_splits=3 if page_size % 2 else 0, causal=True)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 192])
 @pytest.mark.parametrize("num_splits", [0, 3])
 def test_cache_batch_idx_and_leftpad(head_dim, num_splits):
     """Sequences reading other cache entries, keys from a left pad on (one sequence all pad), V with
@@ -127,10 +127,11 @@ def test_cache_batch_idx_and_leftpad(head_dim, num_splits):
 
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_rotary(interleaved, causal):
-    rng = np.random.default_rng(7 + interleaved)
-    run_case(rng, batch=2, seqlen_q=3, nheads=4, nheads_k=2, seqlens=[5, 200], seqlen_new=3, rotary_dim=64,
-             interleaved=interleaved, causal=causal)
+@pytest.mark.parametrize("head_dim, rotary_dim", [(128, 64), (96, 96), (192, 48)])
+def test_rotary(interleaved, causal, head_dim, rotary_dim):
+    rng = np.random.default_rng(7 + interleaved + head_dim)
+    run_case(rng, batch=2, seqlen_q=3, nheads=4, nheads_k=2, head_dim=head_dim, seqlens=[5, 200], seqlen_new=3,
+             rotary_dim=rotary_dim, interleaved=interleaved, causal=causal)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 5, 16, 40])
@@ -164,9 +165,10 @@ def test_many_sequences_beyond_the_sm_count():
              seqlens=rng.integers(0, 129, 300), seqlen_new=0)
 
 
+@pytest.mark.parametrize("head_dim", [96, 128])
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 @pytest.mark.parametrize("batch, capacity, tile", [(100, 1000, 0), (300, 1000, 1), (300, 2100, 0), (600, 2100, 1)])
-def test_many_caches_at_head_dim_128(batch, capacity, tile, dtype_name):
+def test_many_short_caches_on_small_tiles(batch, capacity, tile, dtype_name, head_dim):
     """Many unsplit blocks: on Hopper the small tiles (DECODE_TILES_SM90_SMALL, `tile` indexes
     them), 4 warps for 100 sequences x 2 kv heads of short caches, 2 warps for 300; past SHORT_KEYS
     4 warps for 300, 2 warps for 600 (past LONG_WAVES waves); ragged lengths in every position."""
@@ -176,18 +178,20 @@ def test_many_caches_at_head_dim_128(batch, capacity, tile, dtype_name):
 
     info = device_info()
     if info.capability == 90 and 100 <= info.sm_count < 150:  # H100 PCIe / SXM, H200
-        problem = Problem(batch, 1, capacity, 8, 2, 128, dtype_name, 128 ** -0.5,
+        problem = Problem(batch, 1, capacity, 8, 2, head_dim, dtype_name, head_dim ** -0.5,
                           plan_band(False, (-1, -1), "bottom_right", 1, capacity), AttentionOptions())
         plan = kvcache.plan_launch(problem, 0, info)
-        assert ((plan.kernel.warps, plan.kernel.stages), plan.splits) == (kvcache.DECODE_TILES_SM90_SMALL[128][tile], 1)
-    rng = np.random.default_rng(29 + batch + capacity)
+        assert ((plan.kernel.warps, plan.kernel.stages), plan.splits) == \
+            (kvcache.DECODE_TILES_SM90_SMALL[head_dim][tile], 1)
+    rng = np.random.default_rng(29 + batch + capacity + head_dim)
     seqlens = rng.integers(0, capacity, batch)
     seqlens[:6] = [1, 17, 127, 129, 0, capacity - 1]
     seqlens[-3:] = [129, 1, 17]
-    run_case(rng, batch=batch, seqlen_q=1, nheads=8, nheads_k=2, head_dim=128, dtype_name=dtype_name,
+    run_case(rng, batch=batch, seqlen_q=1, nheads=8, nheads_k=2, head_dim=head_dim, dtype_name=dtype_name,
              capacity=capacity, seqlens=seqlens, seqlen_new=1)
 
 
+@pytest.mark.parametrize("head_dim", [96, 128])
 @pytest.mark.parametrize("batch, num_splits, options", [
     (1, 0, {}),  # the rule's 8 splits
     (1, 8, {"causal": True}),
@@ -195,8 +199,8 @@ def test_many_caches_at_head_dim_128(batch, capacity, tile, dtype_name):
     (2, 2, {"sinks": True}),  # one head per block: 64 clusters
     (5, 2, {"window_size": (100, 0), "softcap": 3.0}),
 ])
-def test_splits_merged_in_a_cluster(batch, num_splits, options):
-    """Head dim 128 on Hopper: split counts of DECODE_CLUSTERS_SM90 merge through distributed shared
+def test_splits_merged_in_a_cluster(batch, num_splits, options, head_dim):
+    """Head dims 96 and 128 on Hopper: split counts of DECODE_CLUSTERS_SM90 merge through distributed shared
     memory (flash_decode_cluster_kernel) where the GPU holds every cluster at once; ragged lengths
     with a full and a short cache, an appended key."""
     import cupy
@@ -208,10 +212,10 @@ def test_splits_merged_in_a_cluster(batch, num_splits, options):
     info = device_info()
     if info.capability != 90:
         pytest.skip("thread block clusters: the Hopper decode kernel only")
-    rng = np.random.default_rng(41 + batch)
+    rng = np.random.default_rng(41 + batch + head_dim)
     sinks = cupy.asarray(rng.uniform(-1.0, 3.0, 32).astype(np.float32)) if "sinks" in options else None
     causal, window = options.get("causal", False), options.get("window_size", (-1, -1))
-    problem = Problem(batch, 1, 1024, 32, 8, 128, "bfloat16", 128 ** -0.5,
+    problem = Problem(batch, 1, 1024, 32, 8, head_dim, "bfloat16", head_dim ** -0.5,
                       plan_band(causal, window, "bottom_right", 1, 1024),
                       AttentionOptions(causal=causal, window_size=window, softcap=options.get("softcap", 0.0),
                                        sinks=sinks))
@@ -227,7 +231,7 @@ def test_splits_merged_in_a_cluster(batch, num_splits, options):
         seqlens[-1] = 16
     if sinks is not None:
         options = {**options, "sinks": sinks}
-    run_case(rng, batch=batch, seqlen_q=1, nheads=32, nheads_k=8, head_dim=128, capacity=1024, seqlens=seqlens,
+    run_case(rng, batch=batch, seqlen_q=1, nheads=32, nheads_k=8, head_dim=head_dim, capacity=1024, seqlens=seqlens,
              seqlen_new=1, num_splits=num_splits, **options)
 
 

@@ -192,7 +192,7 @@ def test_kvcache_inputs_accepted():
 
 @pytest.mark.parametrize("over, match", [
     (dict(q=spec((2, 8, 128))), "q must have 4 dimensions"),
-    (dict(q=spec((2, 1, 8, 96))), "head dim 96"),
+    (dict(q=spec((2, 1, 8, 80))), "head dim 80"),
     (dict(v_cache=spec((2, 99, 2, 128))), "same shape"),
     (dict(k_cache=spec((2, 100, 3, 128)), v_cache=spec((2, 100, 3, 128))), "multiple of"),
     (dict(k_cache=spec((2, 100, 2, 128), np.float32), v_cache=spec((2, 100, 2, 128), np.float32)), "dtype"),

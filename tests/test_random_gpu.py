@@ -162,7 +162,7 @@ def test_random_kvcache(seed):
     rng = np.random.default_rng(3000 + seed)
     batch = int(rng.integers(1, 5))
     nheads, nheads_k = _heads(rng)
-    head_dim = int(rng.choice([32, 64, 128, 256]))
+    head_dim = int(rng.choice(HEAD_DIMS))
     capacity = int(rng.choice([33, 128, 300, 700]))
     seqlen_new = int(rng.choice([0, 0, 1, 3]))
     seqlen_q = int(rng.choice([1, 1, 2, 5, 40]))
