@@ -169,8 +169,7 @@ def kvcache_variants(capability, smem_optin=None, head_dims=kvcache.HEAD_DIMS, d
     does not apply)."""
     if capability < 80:
         return []
-    variants = kvcache.variants(head_dims=[d for d in head_dims if d in kvcache.HEAD_DIMS], dtypes=dtypes,
-                                masks=masks, score_mods=score_mods)
+    variants = kvcache.variants(head_dims=head_dims, dtypes=dtypes, masks=masks, score_mods=score_mods)
     return [v for v in variants if (capability == 90 or not kvcache.hopper_only(v))
             and (smem_optin is None or v.smem_bytes <= smem_optin)]
 
@@ -347,10 +346,6 @@ def bench_command(ctx, seqlens, head_dims, causal, variants, dtypes, modes, tota
 def _bench_decode(ctx, head_dims, dtypes, peers, repeats, warmup, json_path, quiet, batches, kv_lens, heads, layouts,
                   page_size, hbm_peak):
     """`flashcupy bench --decode`."""
-    for d in head_dims:
-        if d not in kvcache.HEAD_DIMS:
-            raise click.BadParameter(f"the decode kernels take head dims {', '.join(map(str, kvcache.HEAD_DIMS))}; "
-                                     f"got {d}", ctx=ctx, param_hint="'--head-dims'")
     for p in peers:
         if p not in bench_decode.PEERS:
             raise click.BadParameter(f"{p!r} is not a decode peer; choose from {', '.join(bench_decode.PEERS)}",

@@ -15,11 +15,11 @@ from typing import Optional, Tuple
 import numpy as np
 
 from . import build, params, replay, sm80
-from .configs import cpp_bool, mask_flags
+from .configs import SUPPORTED_HEAD_DIMS, cpp_bool, mask_flags
 from .launch import LaunchPlan
 from .problem import AttentionOptions, Problem
 
-HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+HEAD_DIMS = SUPPORTED_HEAD_DIMS  # every head dim of the forward
 NVRTC_OPTIONS = sm80.NVRTC_OPTIONS
 MAX_SPLITS = 128  # the merge keeps a weight per split of a row in shared memory, a lane's 4 per warp
 MIN_KEYS_PER_SPLIT = 128  # less and the partials' traffic outweighs the parallelism
