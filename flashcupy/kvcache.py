@@ -51,8 +51,10 @@ LONG_WAVES = 4
 # merged through distributed shared memory rather than by the last split's block, which finds itself
 # by a count in global memory (1-1.5 us less a call on an H100). Taken only where the GPU holds
 # every q block's cluster at once: a cluster's blocks share a GPC, so an H100 holds 66 clusters of 2
-# and 15 of 8 of these one-per-SM blocks (132 and 120 SMs); beyond that the count is faster.
-DECODE_CLUSTERS_SM90 = {96: (2, 8), 128: (2, 8)}
+# and 15 of 8 of these one-per-SM blocks (132 and 120 SMs); beyond that the count is faster. At 192
+# and 256 (H200, GQA 32/8, alternating in one process, flushed): 1 x 1k 12.2 -> 10.6 and 17.6 ->
+# 11.2 us (8 splits), 8 x 1k 23.0 -> 21.0 and 28.7 -> 24.9, 8 x 8k 105.0 -> 103.4 and 138.0 -> 133.6.
+DECODE_CLUSTERS_SM90 = {96: (2, 8), 128: (2, 8), 192: (2, 8), 256: (2, 8)}
 # Registers per thread of the sm90 decode kernels that stage rows in registers (head dims up to
 # 128; ptxas: up to 236 at 128), rounded up to a warp's allocation unit of 256: they, not shared
 # memory, bound the blocks per SM.

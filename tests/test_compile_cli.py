@@ -19,9 +19,9 @@ BWD_KERNELS = 76 + 180  # sm90 (d=64, 128, 256 x 2 dtypes x 3 masks x determinis
 # d=128 step of short problems x 2 dtypes x deterministic), sm80 main + helpers
 # flash_attn_with_kvcache: decode and prefill kernels (6 head dims x 2 dtypes x 3 masks x score mods), the
 # decode kernel's Hopper tiles (d=96 and 128: 8 and 2 warps, each 2 x 3 x 2, the 4-warp small tile
-# being the default one; d=192 and 256: one each), its clusters of 2 and 8 splits at d=96 and 128
-# (each 2 x 3 x 2), the append and the q rotation per dtype
-KVCACHE_KERNELS = 72 + 72 + 2 * 24 + 2 * 12 + 2 * 24 + 4
+# being the default one; d=192 and 256: one each), its clusters of 2 and 8 splits at d=96, 128, 192
+# and 256 (each 2 x 3 x 2), the append and the q rotation per dtype
+KVCACHE_KERNELS = 72 + 72 + 2 * 24 + 2 * 12 + 4 * 24 + 4
 ALL_KERNELS = FWD_KERNELS + BWD_KERNELS + KVCACHE_KERNELS
 
 

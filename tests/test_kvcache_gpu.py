@@ -191,7 +191,7 @@ def test_many_short_caches_on_small_tiles(batch, capacity, tile, dtype_name, hea
              capacity=capacity, seqlens=seqlens, seqlen_new=1)
 
 
-@pytest.mark.parametrize("head_dim", [96, 128])
+@pytest.mark.parametrize("head_dim", [96, 128, 192, 256])
 @pytest.mark.parametrize("batch, num_splits, options", [
     (1, 0, {}),  # the rule's 8 splits
     (1, 8, {"causal": True}),
@@ -200,7 +200,7 @@ def test_many_short_caches_on_small_tiles(batch, capacity, tile, dtype_name, hea
     (5, 2, {"window_size": (100, 0), "softcap": 3.0}),
 ])
 def test_splits_merged_in_a_cluster(batch, num_splits, options, head_dim):
-    """Head dims 96 and 128 on Hopper: split counts of DECODE_CLUSTERS_SM90 merge through distributed shared
+    """Every Hopper tile: split counts of DECODE_CLUSTERS_SM90 merge through distributed shared
     memory (flash_decode_cluster_kernel) where the GPU holds every cluster at once; ragged lengths
     with a full and a short cache, an appended key."""
     import cupy
