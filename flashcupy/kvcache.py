@@ -54,7 +54,13 @@ LONG_WAVES = 4
 # and 15 of 8 of these one-per-SM blocks (132 and 120 SMs); beyond that the count is faster. At 192
 # and 256 (H200, GQA 32/8, alternating in one process, flushed): 1 x 1k 12.2 -> 10.6 and 17.6 ->
 # 11.2 us (8 splits), 8 x 1k 23.0 -> 21.0 and 28.7 -> 24.9, 8 x 8k 105.0 -> 103.4 and 138.0 -> 133.6.
-DECODE_CLUSTERS_SM90 = {96: (2, 8), 128: (2, 8), 192: (2, 8), 256: (2, 8)}
+# Over caches of at most CLUSTER_SMALL_TILE_KEYS keys where they do not, the first small tile's
+# clusters (two blocks an SM) where those fit: 32 kv heads x 1 x 1k keys, 4 splits, 12.2 / 13.4 us
+# warm / flushed against 12.4 / 14.1 with the count (H200, alternating); the long tile in 2 waves of
+# clusters 15.6 / 17.3. The count's 8-warp blocks win from there: 1.5k keys 13.7 / 16.0 against
+# 14.6 / 15.9, 2k 15.0 / 17.8 against 17.0 / 18.5, 8k 39.6 against 48.0.
+DECODE_CLUSTERS_SM90 = {96: (2, 4, 8), 128: (2, 4, 8), 192: (2, 4, 8), 256: (2, 4, 8)}
+CLUSTER_SMALL_TILE_KEYS = 1024
 # Registers per thread of the sm90 decode kernels that stage rows in registers (head dims up to
 # 128; ptxas: up to 236 at 128), rounded up to a warp's allocation unit of 256: they, not shared
 # memory, bound the blocks per SM.
@@ -296,11 +302,17 @@ def plan_launch(problem: Problem, num_splits: int, device, clusters=resident_clu
     splits = min(splits, MAX_SPLITS)
     if device.capability == 90 and isinstance(kernel, DecodeVariant) \
             and splits in DECODE_CLUSTERS_SM90.get(problem.head_dim, ()):
-        clustered = dataclasses.replace(kernel, cluster=splits)
-        # one cluster per q block, all at once (the first test spares the driver's, and a compile)
-        if blocks * splits <= device.sm_count * blocks_per_sm(kernel, device) \
-                and blocks <= clusters(clustered, device.id):
-            kernel = clustered
+        # one cluster per q block, all at once (the first test spares the driver's, and a compile);
+        # over short caches, where the long tile's clusters do not all fit, the first small tile's
+        tiles = [kernel] + [dataclasses.replace(kernel, warps=warps, stages=stages)
+                            for warps, stages in small_tiles(problem.head_dim, device.capability)[:1]
+                            if problem.max_seqlen_k <= CLUSTER_SMALL_TILE_KEYS]
+        for tile in tiles:
+            clustered = dataclasses.replace(tile, cluster=splits)
+            if blocks * splits <= device.sm_count * blocks_per_sm(tile, device) \
+                    and blocks <= clusters(clustered, device.id):
+                kernel = clustered
+                break
     return DecodePlan(kernel, pack, m_blocks, splits, blocks)
 
 
@@ -336,7 +348,8 @@ def variants(head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"), masks=("none",
     hopper = [DecodeVariant(d, dt, m, mod, *tile) for d in head_dims
               for tile in ((DECODE_TILES_SM90[d],) if d in DECODE_TILES_SM90 else ()) + small_tiles(d, 90)
               for dt in dtypes for m in masks for mod in score_mods]
-    clusters = [DecodeVariant(d, dt, m, mod, *DECODE_TILES_SM90[d], cluster) for d in head_dims
+    clusters = [DecodeVariant(d, dt, m, mod, *tile, cluster) for d in head_dims
+                for tile in ((DECODE_TILES_SM90[d],) if d in DECODE_TILES_SM90 else ()) + small_tiles(d, 90)[:1]
                 for cluster in DECODE_CLUSTERS_SM90.get(d, ()) for dt in dtypes for m in masks for mod in score_mods]
     return list(dict.fromkeys(main + hopper + clusters)) + [DecodeHelper(k, dt) for k in HELPER_KERNELS for dt in dtypes]
 

@@ -19,9 +19,9 @@ BWD_KERNELS = 76 + 180  # sm90 (d=64, 128, 256 x 2 dtypes x 3 masks x determinis
 # d=128 step of short problems x 2 dtypes x deterministic), sm80 main + helpers
 # flash_attn_with_kvcache: decode and prefill kernels (6 head dims x 2 dtypes x 3 masks x score mods), the
 # decode kernel's Hopper tiles (d=96 and 128: 8 and 2 warps, each 2 x 3 x 2, the 4-warp small tile
-# being the default one; d=192 and 256: one each), its clusters of 2 and 8 splits at d=96, 128, 192
-# and 256 (each 2 x 3 x 2), the append and the q rotation per dtype
-KVCACHE_KERNELS = 72 + 72 + 2 * 24 + 2 * 12 + 4 * 24 + 4
+# being the default one; d=192 and 256: one each), its clusters of 2, 4 and 8 splits (each 2 x 3 x 2)
+# of the long tiles and, at d=96 and 128, of the 4-warp tile, the append and the q rotation per dtype
+KVCACHE_KERNELS = 72 + 72 + 2 * 24 + 2 * 12 + 6 * 36 + 4
 ALL_KERNELS = FWD_KERNELS + BWD_KERNELS + KVCACHE_KERNELS
 
 
@@ -244,7 +244,7 @@ class FakePool:
     ([], ALL_KERNELS),
     (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 18 + 16 + 12),
     (["--dtype", "fp16", "--causal", "off", "--head-dims", "32", "--score-mod", "on"], 1 + 2 + 3 + 4),
-    (["--direction", "kvcache", "--head-dims", "128", "--dtype", "bf16"], 6 + 6 + 12 + 12 + 2),
+    (["--direction", "kvcache", "--head-dims", "128", "--dtype", "bf16"], 6 + 6 + 12 + 36 + 2),
 ])
 def test_compile_selects_variants(cache, fake_gpu, monkeypatch, args, count):
     pool = FakePool()

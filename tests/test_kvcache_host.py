@@ -257,7 +257,8 @@ def test_kvcache_variants_name_their_kernels():
                      *[f"flash_decode_kernel<128, {w}, {st}, true, false, true, {mod}>"  # Hopper's own tiles
                        for w, st in dict.fromkeys([(h_warps, h_stages), *short]) if (w, st) != (warps, stages)
                        for mod in ("false", "true")],
-                     *[f"flash_decode_cluster_kernel<128, {h_warps}, {h_stages}, {cluster}, true, false, true, {mod}>"
+                     *[f"flash_decode_cluster_kernel<128, {w}, {st}, {cluster}, true, false, true, {mod}>"
+                       for w, st in ((h_warps, h_stages), short[0])  # the long tile's and the first small one's
                        for cluster in kvcache.DECODE_CLUSTERS_SM90[128] for mod in ("false", "true")],
                      "kvcache_append_kernel<true>", "rotary_q_kernel<true>"]
 
@@ -375,12 +376,18 @@ def test_hopper_merges_splits_in_a_cluster_where_every_cluster_fits():
 
     hopper = DeviceInfo(0, "H200", 90, 132, 227 * 1024, 141 << 30)
     ada = DeviceInfo(0, "RTX 4090", 89, 128, 99 * 1024, 24 << 30)
-    h100 = {2: 66, 8: 15}  # what the driver reports on an H100 for these blocks
+    # what the driver reports on an H100 for clusters of these blocks: (warps, cluster size)
+    h100 = {(8, 2): 66, (8, 4): 30, (8, 8): 15, (4, 2): 132, (4, 4): 62, (4, 8): 30}
 
-    def plan(batch, capacity, device=hopper, num_splits=0, resident=lambda cluster: h100[cluster], head_dim=128):
-        problem = Problem(batch, 1, capacity, 32, 8, head_dim, "bfloat16", head_dim ** -0.5,
+    def plan_of(batch, capacity, device=hopper, num_splits=0, resident=lambda cluster: None, head_dim=128,
+                nheads_k=8):
+        problem = Problem(batch, 1, capacity, 32, nheads_k, head_dim, "bfloat16", head_dim ** -0.5,
                           plan_band(False, (-1, -1), "bottom_right", 1, capacity), AttentionOptions())
-        p = kvcache.plan_launch(problem, num_splits, device, lambda variant, device_id: resident(variant.cluster))
+        return kvcache.plan_launch(problem, num_splits, device, lambda variant, device_id:
+                                   resident(variant.cluster) or h100[variant.warps, variant.cluster])
+
+    def plan(*args, **kwargs):
+        p = plan_of(*args, **kwargs)
         return p.kernel.cluster, p.splits
 
     assert plan(1, 1024) == (8, 8)  # 8 q blocks of 8 splits: 8 clusters of 8
@@ -392,6 +399,15 @@ def test_hopper_merges_splits_in_a_cluster_where_every_cluster_fits():
     assert plan(1, 8192, num_splits=3) == (1, 3)
     assert plan(1, 1024, device=ada) == (1, 8)
     assert plan(1, 1024, head_dim=64) == (1, 8)
+    # 32 kv heads, 4 splits: 32 clusters of 4 long-tile blocks do not fit (30); over a short cache the
+    # 4-warp tile's do (two blocks an SM), over a long one the count merges on the long tile
+    short, long = plan_of(1, kvcache.CLUSTER_SMALL_TILE_KEYS, nheads_k=32), plan_of(1, 1040, nheads_k=32)
+    assert (short.kernel.warps, short.kernel.cluster, short.splits) == (4, 4, 4)
+    assert (long.kernel.warps, long.kernel.cluster, long.splits) == (8, 1, 4)
+    assert plan(1, 1024, nheads_k=16) == (8, 8)  # 16 clusters of 8: the 4-warp tile's (30 fit, not 15)
+    assert plan_of(1, 1024, nheads_k=16).kernel.warps == 4
+    assert plan_of(1, 1024, nheads_k=16, resident=lambda cluster: 16).kernel.warps == 8
+    assert plan(1, 1024, nheads_k=32, head_dim=256, resident=lambda cluster: 30) == (1, 4)  # no small tile at 256
     # where the driver cannot say (no GPU), no cluster is taken
     if not gpu_available():
         variant = kvcache.DecodeVariant(128, "bfloat16", "none", False, *kvcache.DECODE_TILES_SM90[128], 8)
