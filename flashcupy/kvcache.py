@@ -61,6 +61,13 @@ LONG_WAVES = 4
 # 14.6 / 15.9, 2k 15.0 / 17.8 against 17.0 / 18.5, 8k 39.6 against 48.0.
 DECODE_CLUSTERS_SM90 = {96: (2, 4, 8), 128: (2, 4, 8), 192: (2, 4, 8), 256: (2, 4, 8)}
 CLUSTER_SMALL_TILE_KEYS = 1024
+# Over caches of at most CLUSTER_CAP_KEYS keys the rule's split count, when above the largest
+# cluster, is cut to it where those clusters all fit: fewer splits, no count. H200, GQA 32/8, 1
+# sequence, 8 splits in clusters against the rule's 16 with the count, warm / flushed us: 1.5k
+# keys 9.8 / 10.9 against 10.8 / 11.8, 2k 9.9 / 11.0 against 11.2 / 12.5 (d=96 9.6 / 10.7 against
+# 10.6 / 12.0), 3k 11.3 / 12.7 against 12.3 / 13.9, 4k 12.6 / 14.2 against 12.7 / 14.7; 6k 15.1 /
+# 16.8 against 14.1 / 16.6 and 8k 17.4 / 19.3 against 15.5 / 18.2, where the splits' loads win.
+CLUSTER_CAP_KEYS = 4096
 # Registers per thread of the sm90 decode kernels that stage rows in registers (head dims up to
 # 128; ptxas: up to 236 at 128), rounded up to a warp's allocation unit of 256: they, not shared
 # memory, bound the blocks per SM.
@@ -300,8 +307,12 @@ def plan_launch(problem: Problem, num_splits: int, device, clusters=resident_clu
                 break
             kernel = dataclasses.replace(kernel, warps=warps, stages=stages)
     splits = min(splits, MAX_SPLITS)
-    if device.capability == 90 and isinstance(kernel, DecodeVariant) \
-            and splits in DECODE_CLUSTERS_SM90.get(problem.head_dim, ()):
+    sizes = DECODE_CLUSTERS_SM90.get(problem.head_dim, ()) \
+        if device.capability == 90 and isinstance(kernel, DecodeVariant) else ()
+    if not num_splits and sizes and splits > max(sizes) and problem.max_seqlen_k <= CLUSTER_CAP_KEYS \
+            and blocks <= clusters(dataclasses.replace(kernel, cluster=max(sizes)), device.id):
+        splits = max(sizes)
+    if splits in sizes:
         # one cluster per q block, all at once (the first test spares the driver's, and a compile);
         # over short caches, where the long tile's clusters do not all fit, the first small tile's
         tiles = [kernel] + [dataclasses.replace(kernel, warps=warps, stages=stages)

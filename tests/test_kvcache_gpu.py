@@ -255,6 +255,27 @@ def test_short_cache_splits_in_small_tile_clusters(head_dim, causal):
              seqlen_new=1, causal=causal)
 
 
+@pytest.mark.parametrize("head_dim", [96, 128, 256])
+def test_short_cache_splits_cut_to_a_cluster(head_dim):
+    """One sequence of a 4096-key cache: the rule's 16 splits become one cluster of 8 on an H100 SXM
+    or H200 (CLUSTER_CAP_KEYS); a ragged batch of two with a 1-key and a full cache as well."""
+    from flashcupy import kvcache
+    from flashcupy.device import device_info
+    from flashcupy.problem import AttentionOptions, Problem, plan_band
+
+    info = device_info()
+    if info.capability == 90 and info.sm_count == 132:
+        problem = Problem(1, 1, 4096, 32, 8, head_dim, "bfloat16", head_dim ** -0.5,
+                          plan_band(True, (-1, -1), "bottom_right", 1, 4096), AttentionOptions(causal=True))
+        plan = kvcache.plan_launch(problem, 0, info)
+        assert (plan.kernel.cluster, plan.splits) == (8, 8), plan
+    rng = np.random.default_rng(59 + head_dim)
+    run_case(rng, batch=1, seqlen_q=1, nheads=32, nheads_k=8, head_dim=head_dim, capacity=4096, seqlens=[4000],
+             seqlen_new=1, causal=True)
+    run_case(rng, batch=2, seqlen_q=1, nheads=32, nheads_k=8, head_dim=head_dim, capacity=2048, seqlens=[0, 2047],
+             seqlen_new=1, causal=True)
+
+
 @pytest.mark.parametrize("num_splits", [1, 0, 7])
 def test_graph_capture_replays(num_splits):
     """A decode step captured into a CUDA graph (device index arrays, check_values=False) and replayed

@@ -393,6 +393,11 @@ def test_hopper_merges_splits_in_a_cluster_where_every_cluster_fits():
     assert plan(1, 1024) == (8, 8)  # 8 q blocks of 8 splits: 8 clusters of 8
     assert plan(8, 1024) == (2, 2)  # 64 clusters of 2
     assert plan(1, 8192) == (1, 16)  # 16 splits: no cluster of 16
+    # over short caches the rule's 16 splits are cut to one cluster of 8 (where the clusters fit)
+    assert plan(1, 2048) == plan(1, kvcache.CLUSTER_CAP_KEYS) == (8, 8)
+    assert plan(1, kvcache.CLUSTER_CAP_KEYS + 1) == (1, 16)
+    assert plan(1, 2048, num_splits=16) == (1, 16)  # asked for
+    assert plan(1, 2048, resident=lambda cluster: 7) == (1, 16)
     assert plan(1, 1024, resident=lambda cluster: 7) == (1, 8)  # not all at once
     assert plan(8, 1024, resident=lambda cluster: 63) == (1, 2)
     assert plan(1, 8192, num_splits=2) == (2, 2)  # asked for
