@@ -69,8 +69,8 @@ CLUSTER_SMALL_TILE_KEYS = 1024
 # 16.8 against 14.1 / 16.6 and 8k 17.4 / 19.3 against 15.5 / 18.2, where the splits' loads win.
 CLUSTER_CAP_KEYS = 4096
 # Registers per thread of the sm90 decode kernels that stage rows in registers (head dims up to
-# 128; ptxas: up to 236 at 128), rounded up to a warp's allocation unit of 256: they, not shared
-# memory, bound the blocks per SM.
+# 128; ptxas: up to 236 at 128, and CI checks every instance's count against it), rounded up to a
+# warp's allocation unit of 256: they, not shared memory, bound the blocks per SM.
 STAGED_REGISTERS = 240
 # Up to this many packed rows (query rows x heads per block) per sequence and head group go to
 # flash_decode_kernel, more to flash_prefill_kernel, whose warps split the rows instead.
@@ -102,9 +102,15 @@ def blocks_per_sm(kernel, device) -> int:
     that stage rows in registers, registers (64 Ki per SM)."""
     by_smem = (device.smem_per_block_optin + 1024) // (kernel.smem_bytes + 1024)
     by_threads = (2048 if device.capability in (80, 90) else 1536) // kernel.threads
-    staged = device.capability == 90 and isinstance(kernel, DecodeVariant) and kernel.head_dim <= 128
+    staged = stages_rows_in_registers(kernel, device.capability)
     by_registers = 65536 // (STAGED_REGISTERS * kernel.threads) if staged else by_threads
     return max(1, min(by_smem, by_threads, by_registers))
+
+
+def stages_rows_in_registers(kernel, capability: int) -> bool:
+    """Does `kernel` on a GPU of this compute capability hold its next rows in registers (decode.cu's
+    kStaged: the sm90 decode kernel up to head dim 128), so that STAGED_REGISTERS bounds its blocks?"""
+    return capability == 90 and isinstance(kernel, DecodeVariant) and kernel.head_dim <= 128
 
 
 def page_divider(page_size: int) -> tuple:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import struct
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -19,14 +20,39 @@ def _compile_cases():
 CASES = _compile_cases()
 
 
-def _compile(case) -> str | None:
-    """None, or the error, of one (variant, arch); runs in a worker process."""
+def _compile(case) -> tuple:
+    """(None, registers per thread) or (the error, None) of one (variant, arch); runs in a worker
+    process."""
     variant, arch = case
     try:
         cubin = build.compile_cubin(variant, arch)
     except Exception as exc:  # reported by the test of this case
-        return f"{type(exc).__name__}: {exc}"
-    return None if cubin[:4] == b"\x7fELF" else "not an ELF cubin"
+        return f"{type(exc).__name__}: {exc}", None
+    if cubin[:4] != b"\x7fELF":
+        return "not an ELF cubin", None
+    return None, _registers(cubin)
+
+
+def _registers(cubin: bytes) -> int:
+    """The registers per thread of the cubin's kernel: the EIATTR_REGCOUNT record (attribute 0x2f,
+    a symbol index and the count) of its .nv.info section, as ptxas -v reports it."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = sections[shstrndx][4]
+    counts = []
+    for name_at, _, _, _, offset, size, *_ in sections:
+        if cubin[names + name_at:cubin.index(b"\0", names + name_at)] != b".nv.info":
+            continue
+        at = offset
+        while at < offset + size:  # records: format, attribute, then by format a payload
+            fmt, attr = cubin[at], cubin[at + 1]
+            length = struct.unpack_from("<H", cubin, at + 2)[0] if fmt == 4 else {3: 2, 2: 1}.get(fmt, 0)
+            payload = at + (4 if fmt == 4 else 2)
+            if attr == 0x2F:
+                counts.append(struct.unpack_from("<I", cubin, payload + 4)[0])
+            at = payload + (length if fmt == 4 else {3: 2, 2: 1}.get(fmt, 0))
+    return max(counts)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +103,19 @@ def test_compile_cases_are_distinct_and_cover_both_archs():
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: f"{case[0]} {case[1]}")
 def test_variant_compiles(compile_results, case):
-    assert compile_results[case] is None, compile_results[case]
+    error, _ = compile_results[case]
+    assert error is None, error
+
+
+def test_staged_decode_kernels_fit_their_register_bound(compile_results):
+    """The split rule counts blocks per SM of the sm90 decode kernels that hold their next rows in
+    registers by STAGED_REGISTERS: none may need more (ptxas's count, read from the cubin)."""
+    staged = {case: regs for case, (error, regs) in compile_results.items()
+              if case[1] == "sm_90a" and kvcache.stages_rows_in_registers(case[0], 90) and error is None}
+    assert {v.head_dim for v, _ in staged} == {d for d in kvcache.HEAD_DIMS if d <= 128}
+    assert min(staged.values()) > 64  # the count was read
+    over = {str(v): regs for (v, _), regs in staged.items() if regs > kvcache.STAGED_REGISTERS}
+    assert not over, over
 
 
 def test_compile_error_names_variant_and_shows_log():

@@ -162,7 +162,7 @@ def test_blocks_per_sm():
         if isinstance(v, (kvcache.DecodeVariant, kvcache.PrefillVariant)):
             for device in (hopper, ada):
                 n = kvcache.blocks_per_sm(v, device)
-                staged = device is hopper and isinstance(v, kvcache.DecodeVariant) and v.head_dim <= 128
+                staged = kvcache.stages_rows_in_registers(v, device.capability)
                 registers = kvcache.STAGED_REGISTERS if staged else 0
                 assert n * (v.smem_bytes + 1024) <= device.smem_per_block_optin + 1024 or n == 1
                 assert n * registers * v.threads <= 65536 or n == 1
