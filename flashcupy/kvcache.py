@@ -464,8 +464,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         softmax_scale, causal, window_size, softcap, alibi_slopes, sinks: as flash_attn_func, the
             masks aligned to the bottom right (the last query row is the last key's position).
         num_splits: how many parts each sequence's keys are cut into (split-KV), merged by their
-            LSEs; 0 (default) chooses (num_splits_for), 1 turns splitting off; at most MAX_SPLITS
-            (128) are used.
+            LSEs; 0 (default) chooses (num_splits_for, and on Hopper plan_launch's cut to one
+            cluster over short caches), 1 turns splitting off; at most MAX_SPLITS (128) are used.
         return_lse: also return softmax_lse, float32 (batch, nheads, seqlen_q).
         check_values: check the index arrays' values (cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table) before any launch. Host arrays are always checked; GPU
