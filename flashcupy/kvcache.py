@@ -234,8 +234,14 @@ def attention_variant(rows: int, head_dim: int, dtype: str, mask: str, score_mod
     compute capability (before plan_launch's choice of a small tile or a cluster)."""
     if rows > DECODE_MAX_ROWS:
         return PrefillVariant(head_dim, dtype, mask, score_mod)
+    return DecodeVariant(head_dim, dtype, mask, score_mod, *decode_tile(head_dim, capability))
+
+
+def decode_tile(head_dim: int, capability: int) -> tuple:
+    """The decode kernel's (warps, stages) on a GPU of this compute capability: Hopper's own where it
+    has one, else DECODE_TILES's."""
     tiles = DECODE_TILES_SM90 if capability == 90 else {}
-    return DecodeVariant(head_dim, dtype, mask, score_mod, *tiles.get(head_dim, (0, 0)))
+    return tiles.get(head_dim, DECODE_TILES[head_dim])
 
 
 def small_tiles(head_dim: int, capability: int) -> tuple:
@@ -363,10 +369,10 @@ def variants(head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"), masks=("none",
     main = [kind(d, dt, m, mod) for kind in (DecodeVariant, PrefillVariant) for d in head_dims for dt in dtypes
             for m in masks for mod in score_mods]
     hopper = [DecodeVariant(d, dt, m, mod, *tile) for d in head_dims
-              for tile in ((DECODE_TILES_SM90[d],) if d in DECODE_TILES_SM90 else ()) + small_tiles(d, 90)
+              for tile in (decode_tile(d, 90), *small_tiles(d, 90))
               for dt in dtypes for m in masks for mod in score_mods]
     clusters = [DecodeVariant(d, dt, m, mod, *tile, cluster) for d in head_dims
-                for tile in ((DECODE_TILES_SM90[d],) if d in DECODE_TILES_SM90 else ()) + small_tiles(d, 90)[:1]
+                for tile in (decode_tile(d, 90), *small_tiles(d, 90)[:1])
                 for cluster in DECODE_CLUSTERS_SM90.get(d, ()) for dt in dtypes for m in masks for mod in score_mods]
     return list(dict.fromkeys(main + hopper + clusters)) + [DecodeHelper(k, dt) for k in HELPER_KERNELS for dt in dtypes]
 

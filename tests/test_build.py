@@ -45,13 +45,15 @@ def _registers(cubin: bytes) -> int:
         if cubin[names + name_at:cubin.index(b"\0", names + name_at)] != b".nv.info":
             continue
         at = offset
-        while at < offset + size:  # records: format, attribute, then by format a payload
+        while at < offset + size:  # records: format, attribute, then a payload of the format's size
             fmt, attr = cubin[at], cubin[at + 1]
-            length = struct.unpack_from("<H", cubin, at + 2)[0] if fmt == 4 else {3: 2, 2: 1}.get(fmt, 0)
-            payload = at + (4 if fmt == 4 else 2)
+            if fmt == 4:  # a 16-bit size, then that many bytes
+                payload, length = at + 4, struct.unpack_from("<H", cubin, at + 2)[0]
+            else:  # 3: a 16-bit value, 2: an 8-bit one, 1: none
+                payload, length = at + 2, {3: 2, 2: 1}.get(fmt, 0)
             if attr == 0x2F:
                 counts.append(struct.unpack_from("<I", cubin, payload + 4)[0])
-            at = payload + (length if fmt == 4 else {3: 2, 2: 1}.get(fmt, 0))
+            at = payload + length
     return max(counts)
 
 
@@ -134,7 +136,6 @@ def test_performance_warning_fails_the_compile():
     with pytest.raises(build.KernelCompileError, match="serialized"):
         build.check_ptxas_log(log, variant, "sm_90a")
     build.check_ptxas_log("ptxas info    : Used 168 registers, used 16 barriers\n", variant, "sm_90a")
-
 
 
 @pytest.mark.parametrize("form, n, compiles", [("ss", 32, True), ("ss", 40, False), ("ss_tn", 64, True),
