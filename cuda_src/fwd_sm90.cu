@@ -111,8 +111,10 @@ __global__ void __launch_bounds__(128 * (1 + kBlockM / 64), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     using T = Sm90FwdTraits<kHeadDim, kBlockM, kBlockN, kStages>;
     // Large head dims rescale O under the next S = Q K^T rather than after P V (its 128 multiplies
-    // per thread at d = 256 otherwise sit between P V's end and the next GEMMs).
-    constexpr bool kRescaleUnderS = kHeadDim > 128;
+    // per thread at d = 256 otherwise sit between P V's end and the next GEMMs); so does d = 64
+    // without a band (2-4% faster there; level at d = 64 causal, 2-4% slower at d = 128 causal,
+    // level at d = 128 without a mask: docs/PERF_NOTES.md).
+    constexpr bool kRescaleUnderS = kHeadDim > 128 || (kHeadDim == 64 && !Is_causal && !Is_local);
     // O in the Q buffer only without a band: at d = 256 causal it measured 3% slower from 8k (and
     // 6-11% faster at 512-1k); without a mask 7-10% faster at 512-1k, level from 4k
     constexpr bool kOInQ = T::kOInQ && !Is_causal && !Is_local, kStoreO = T::kOOwnBuffer || kOInQ;
