@@ -101,7 +101,7 @@ def flash_attn_func(q, k, v, softmax_scale: Optional[float] = None, causal: bool
                                backend=backend)
     q, k, v = _device_arrays(q=q, k=k, v=v)
     check_forward_inputs(ArraySpec.of(q), ArraySpec.of(k), ArraySpec.of(v))
-    problem = Problem.padded(q, k, dtype_name(q.dtype), _with_device_arrays(options))
+    problem = Problem.padded(q, k, dtype_name(q.dtype), _with_device_arrays(options), read=(q, k, v))
     return _forward(problem, q, k, v, return_lse, key)
 
 
@@ -143,7 +143,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     check_varlen_layout(ArraySpec.of(q), ArraySpec.of(k), ArraySpec.of(v))
     check_forward_inputs(ArraySpec.of(q[None]), ArraySpec.of(k[None]), ArraySpec.of(v[None]))
     problem = Problem.varlen(q, k, dtype_name(q.dtype), _with_device_arrays(options), cu_seqlens_q, cu_seqlens_k,
-                             max_seqlen_q, max_seqlen_k, check_cu_seqlens)
+                             max_seqlen_q, max_seqlen_k, check_cu_seqlens, read=(q, k, v))
     return _forward(problem, q, k, v, return_lse, key)
 
 
@@ -182,7 +182,7 @@ def flash_attn_backward(dout, q, k, v, out, softmax_lse, softmax_scale: Optional
     grads = _output_arrays(dq=dq, dk=dk, dv=dv)
     check_backward_inputs(*(ArraySpec.of(a) for a in (dout, q, k, v, out, softmax_lse)),
                           {n: ArraySpec.of(a) for n, a in grads.items()})
-    problem = Problem.padded(q, k, dtype_name(q.dtype), _with_device_arrays(options))
+    problem = Problem.padded(q, k, dtype_name(q.dtype), _with_device_arrays(options), read=(q, k, v, dout))
     return _backward(problem, dout, q, k, v, out, softmax_lse, grads, key)
 
 
@@ -214,7 +214,7 @@ def flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu
     check_backward_inputs(*(ArraySpec.of(a[None]) for a in (dout, q, k, v, out, softmax_lse)),
                           {n: ArraySpec.of(a[None]) for n, a in grads.items()})
     problem = Problem.varlen(q, k, dtype_name(q.dtype), _with_device_arrays(options), cu_seqlens_q, cu_seqlens_k,
-                             max_seqlen_q, max_seqlen_k, check_cu_seqlens)
+                             max_seqlen_q, max_seqlen_k, check_cu_seqlens, read=(q, k, v, dout))
     return _backward(problem, dout, q, k, v, out, softmax_lse, grads, key)
 
 
@@ -306,7 +306,7 @@ class FlashAttention:
     def __init__(self, softmax_scale: Optional[float] = None, causal: bool = False, deterministic: bool = False,
                  window_size: Tuple[int, int] = (-1, -1), alignment: str = "bottom_right", softcap: float = 0.0,
                  alibi_slopes=None, sinks=None, backend: Optional[str] = None):
-        self.options = AttentionOptions(softmax_scale, causal, tuple(window_size), alignment, softcap,
+        self.options = AttentionOptions(softmax_scale, causal, window_size, alignment, softcap,
                                         alibi_slopes, sinks, deterministic, backend)
         self.saved = None  # (q, k, v, out, softmax_lse) of the last forward
 

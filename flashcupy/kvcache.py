@@ -419,13 +419,15 @@ def _index_array(value, name: str, batch: int, device: int, check_values: bool):
     check_values asks for it (a device-to-host copy, which waits for the stream)."""
     import cupy
 
-    from .validation import ArraySpec, check_index_array
+    from .validation import MAX_ROWS, ArraySpec, check_index_array
 
     if value is None:
         return None, None
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         if name != "cache_seqlens":
             raise TypeError(f"{name} must be an int32 array of shape (batch,); got an int")
+        if not 0 <= value < MAX_ROWS:
+            raise ValueError(f"cache_seqlens must lie in [0, 2**30); got {value}")
         host = np.full(batch, int(value), np.int32)
         return cupy.asarray(host), host
     if isinstance(value, np.ndarray):
@@ -474,9 +476,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             cluster over short caches), 1 turns splitting off; at most MAX_SPLITS (128) are used.
         return_lse: also return softmax_lse, float32 (batch, nheads, seqlen_q).
         check_values: check the index arrays' values (cache_seqlens, cache_batch_idx,
-            cache_leftpad, block_table) before any launch. Host arrays are always checked; GPU
-            arrays cost a device-to-host copy, which waits for the stream and cannot run under
-            stream capture: pass False in a decode loop once the inputs are known good.
+            cache_leftpad, block_table) before any launch. Host arrays are checked without a
+            copy (with cache_seqlens on the GPU and check_values=False, cache_batch_idx alone: the
+            others' bounds depend on the lengths); GPU arrays cost a device-to-host copy, which
+            waits for the stream and cannot run under stream capture: pass False in a decode loop
+            once the inputs are known good.
 
     Returns out (batch, seqlen_q, nheads, headdim) in q's dtype (and softmax_lse). Runs on CuPy's
     current stream with no host synchronization when check_values=False or the index arrays are
@@ -496,7 +500,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 
     from .api import as_device_array
     from .device import device_info
-    from .validation import ArraySpec, check_band, check_kvcache_inputs, check_kvcache_values, check_softcap
+    from .validation import (ArraySpec, check_band, check_cache_batch_idx, check_kvcache_inputs, check_kvcache_values,
+                             check_outputs_apart, check_softcap)
 
     arrays = {name: None if a is None else as_device_array(a, name)
               for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
@@ -514,6 +519,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         table_spec = ArraySpec.of(table)
     check_kvcache_inputs(spec["q"], spec["k_cache"], spec["v_cache"], spec["k"], spec["v"], table_spec,
                          spec["rotary_cos"], spec["rotary_sin"], HEAD_DIMS)
+    if k is not None:  # the append writes both caches
+        check_outputs_apart({"k_cache": spec["k_cache"], "v_cache": spec["v_cache"]}, {})
     check_band(causal, window_size, "bottom_right")
     check_softcap(softcap)
     if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)) \
@@ -549,6 +556,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             check_kvcache_values(seqlens_h, pad_h, idx_h, bt_h, seqlen_new=seqlen_new, capacity=problem.max_seqlen_k,
                                  cache_entries=k_cache.shape[0], seqlen_ro=None if rotary_cos is None else
                                  rotary_cos.shape[0], rotary_q_per_row=windowed, seqlen_q=seqlen_q)
+        elif idx_h is not None:  # the lengths unread (on the GPU, unchecked): what needs no length
+            check_cache_batch_idx(idx_h, seqlen_new, k_cache.shape[0])
         out = cupy.empty(q.shape, q.dtype)
         lse = cupy.empty((batch, nheads, seqlen_q), cupy.float32)
         info = device_info(device)

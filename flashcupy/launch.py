@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_GRID_X = 2**31 - 1
+MAX_GRID_YZ = 65535
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .validation import (ArraySpec, check_band, check_cu_seqlens, check_cu_seqlens_values, check_score_mods,
-                         check_softcap, check_softmax_scale)
+from .validation import (MAX_ROWS, ArraySpec, check_band, check_cu_seqlens, check_cu_seqlens_values,
+                         check_score_mods, check_softcap, check_softmax_scale)
 
 BACKEND_ENV = "FLASHCUPY_BACKEND"
 
@@ -36,8 +36,14 @@ class AttentionOptions:
         check_softcap(self.softcap)
         if not isinstance(self.deterministic, (bool, np.bool_)):
             raise TypeError(f"deterministic must be True or False; got {self.deterministic!r}")
-        if self.backend is not None and not isinstance(self.backend, str):
-            raise TypeError(f"backend must be a kernel family's name or None; got {self.backend!r}")
+        if self.backend is not None:
+            if not isinstance(self.backend, str):
+                raise TypeError(f"backend must be a kernel family's name or None; got {self.backend!r}")
+            from . import registry  # here, not at import: the families import this module
+
+            if self.backend not in registry.family_names():  # checked even where no kernel runs (empty inputs)
+                raise ValueError(f"backend={self.backend!r} names no kernel family; choose from "
+                                 f"{', '.join(registry.family_names())}")
         object.__setattr__(self, "window_size", tuple(int(w) for w in self.window_size))
 
     def with_arrays(self, alibi_slopes, sinks) -> "AttentionOptions":
@@ -68,7 +74,9 @@ def plan_band(causal: bool, window_size, alignment: str, seqlen_q: int, seqlen_k
     """Plain bottom-right causal takes the kernels' own causal instance; every other band the local
     one, where causal is right = 0 and -1 in window_size a bound no row reaches. Varlen: the
     longest sequences' lengths."""
-    left, right = (int(w) for w in window_size)
+    # A side at least seqlen_q + seqlen_k wide reaches every key of every row: unbounded, which also
+    # keeps such values out of the kernels' 32-bit row arithmetic.
+    left, right = (-1 if int(w) >= seqlen_q + seqlen_k else int(w) for w in window_size)
     if causal:
         right = 0
     bottom_right = alignment == "bottom_right"  # also ALiBi's offset, whatever the mask
@@ -77,7 +85,7 @@ def plan_band(causal: bool, window_size, alignment: str, seqlen_q: int, seqlen_k
     if causal and left < 0 and bottom_right:
         return Band("causal")
     unbounded = seqlen_q + seqlen_k + 256  # past every row's keys, even counted from a block's last row
-    if unbounded >= 2**30:
+    if unbounded >= MAX_ROWS:
         raise ValueError(f"seqlen_q + seqlen_k = {seqlen_q + seqlen_k} is too large for the kernels' 32-bit "
                          "row arithmetic")
     return Band("local", bottom_right, left if left >= 0 else unbounded, right if right >= 0 else unbounded)
@@ -99,15 +107,20 @@ class Problem:
     options: AttentionOptions
     cu_seqlens_q: object = field(default=None, repr=False)  # CuPy int32 arrays (varlen) or None (padded)
     cu_seqlens_k: object = field(default=None, repr=False)
+    # every array the kernels read (q, k, v; dout too in the backward) has positive strides over its
+    # dims of extent > 1: no broadcast (zero) or reversed (negative) view
+    positive_strides: bool = True
 
     @classmethod
-    def padded(cls, q, k, dtype: str, options: AttentionOptions) -> "Problem":
+    def padded(cls, q, k, dtype: str, options: AttentionOptions, read=()) -> "Problem":
+        """`read`: the arrays the kernels read, for positive_strides."""
         batch, seqlen_q, nheads, head_dim = q.shape
-        return cls._make(q, batch, seqlen_q, k.shape[1], nheads, k.shape[2], head_dim, dtype, options, None, None)
+        return cls._make(q, batch, seqlen_q, k.shape[1], nheads, k.shape[2], head_dim, dtype, options, None, None,
+                         read)
 
     @classmethod
     def varlen(cls, q, k, dtype: str, options: AttentionOptions, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-               max_seqlen_k, check_values: bool) -> "Problem":
+               max_seqlen_k, check_values: bool, read=()) -> "Problem":
         import cupy
 
         batch = check_cu_seqlens(ArraySpec.of(cu_seqlens_q), ArraySpec.of(cu_seqlens_k), max_seqlen_q,
@@ -117,16 +130,19 @@ class Problem:
                                              ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
                 check_cu_seqlens_values(name, cupy.asnumpy(cu), total, int(longest))
         return cls._make(q, batch, int(max_seqlen_q), int(max_seqlen_k), q.shape[1], k.shape[1], q.shape[2], dtype,
-                         options, cu_seqlens_q, cu_seqlens_k)
+                         options, cu_seqlens_q, cu_seqlens_k, read)
 
     @classmethod
-    def _make(cls, q, batch, max_seqlen_q, max_seqlen_k, nheads, nheads_k, head_dim, dtype, options, cu_q, cu_k):
+    def _make(cls, q, batch, max_seqlen_q, max_seqlen_k, nheads, nheads_k, head_dim, dtype, options, cu_q, cu_k,
+              read=()):
         o = options
         check_score_mods(None if o.alibi_slopes is None else ArraySpec.of(o.alibi_slopes),
                          None if o.sinks is None else ArraySpec.of(o.sinks), batch, nheads, q.device.id)
         band = plan_band(o.causal, o.window_size, o.alignment, max_seqlen_q, max_seqlen_k)
         scale = 1.0 / math.sqrt(head_dim) if o.softmax_scale is None else float(o.softmax_scale)
-        return cls(batch, max_seqlen_q, max_seqlen_k, nheads, nheads_k, head_dim, dtype, scale, band, o, cu_q, cu_k)
+        positive = all(st > 0 for a in read for st, n in zip(a.strides, a.shape) if n > 1)
+        return cls(batch, max_seqlen_q, max_seqlen_k, nheads, nheads_k, head_dim, dtype, scale, band, o, cu_q, cu_k,
+                   positive)
 
     @classmethod
     def sketch(cls, head_dim: int, dtype: str, options: AttentionOptions, seqlen: int = 4096, nheads: int = 16,

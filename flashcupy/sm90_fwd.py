@@ -265,14 +265,17 @@ def _bindings_missing() -> str | None:
 
 def hopper_unsupported(problem, device, head_dims, smem_bytes) -> str | None:
     """Why a Hopper family does not serve `problem` on `device`, or None: the GPU, its head dims,
-    empty sequences, smem_bytes() (its tiles' shared memory, asked once the head dim is one of
-    its own), and cuda-bindings for the tensor maps."""
+    empty sequences, strides the tensor maps cannot take, smem_bytes() (its tiles' shared memory,
+    asked once the head dim is one of its own), and cuda-bindings for the tensor maps."""
     if device.capability != 90:
         return f"Hopper (compute capability 9.0) only; this GPU has {device.capability // 10}.{device.capability % 10}"
     if problem.head_dim not in head_dims:
         return f"head dim {problem.head_dim} is not one of {head_dims}"
     if problem.max_seqlen_q == 0 or problem.max_seqlen_k == 0:
         return "empty sequences"
+    if not problem.positive_strides:
+        return "an input with a zero or negative stride (a broadcast or reversed view): its TMA tensor maps take " \
+               "positive strides"
     if smem_bytes() > device.smem_per_block_optin:
         return "its tiles need more shared memory than this GPU grants a block"
     return _bindings_missing()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .configs import SUPPORTED_HEAD_DIMS
+from .launch import MAX_GRID_YZ
 
 try:  # bfloat16 as a NumPy dtype (CuPy 14 accepts it); a plain dependency of the package
     import ml_dtypes
@@ -31,6 +32,7 @@ class ArraySpec:
     dtype: np.dtype
     strides: tuple  # in elements
     device: int | None  # CUDA device id
+    address: int | None = None  # of element 0, for a GPU array (to tell arrays that share memory)
 
     @classmethod
     def of(cls, array, device: int | None = None) -> "ArraySpec":
@@ -41,7 +43,60 @@ class ArraySpec:
         if device is None:
             dev = getattr(array, "device", None)
             device = getattr(dev, "id", None)
-        return cls(tuple(array.shape), np.dtype(array.dtype), strides, device)
+        address = getattr(getattr(array, "data", None), "ptr", None)  # CuPy's MemoryPointer; None on the host
+        return cls(tuple(array.shape), np.dtype(array.dtype), strides, device, address)
+
+
+# The kernels' row arithmetic is 32-bit, with room for a block's rows past a sequence's end.
+MAX_ROWS = 2**30
+
+
+class _AtAddress:
+    """An array interface at a GPU address: NumPy builds a view of it and never reads it."""
+
+    def __init__(self, x: ArraySpec):
+        self.__array_interface__ = {"data": (x.address, True), "shape": x.shape, "typestr": x.dtype.str,
+                                    "strides": tuple(int(s * x.dtype.itemsize) for s in x.strides), "version": 3}
+
+
+def _byte_range(x: ArraySpec) -> tuple | None:
+    """[first, past last) byte of a GPU array's elements; None for a host or an empty one."""
+    if x.address is None or 0 in x.shape:
+        return None
+    low = high = 0
+    for stride, n in zip(x.strides, x.shape):
+        if stride < 0:
+            low += stride * (n - 1)
+        else:
+            high += stride * (n - 1)
+    return x.address + low * x.dtype.itemsize, x.address + (high + 1) * x.dtype.itemsize
+
+
+def shares_memory(a: ArraySpec, b: ArraySpec, ranges: tuple | None = None) -> bool:
+    """Whether two GPU arrays have an element in common: exactly, not by their address ranges
+    (interleaved views such as the q, k, v slices of one packed tensor share none), by NumPy's
+    solver where the ranges meet. `ranges`: their _byte_range, where known."""
+    ra, rb = ranges or (_byte_range(a), _byte_range(b))
+    if ra is None or rb is None or ra[1] <= rb[0] or rb[1] <= ra[0]:
+        return False
+    try:
+        return bool(np.shares_memory(np.asarray(_AtAddress(a)), np.asarray(_AtAddress(b)), max_work=1 << 20))
+    except np.exceptions.TooHardError:  # not seen with 4-D attention layouts; leave the call be
+        return False
+
+
+def check_outputs_apart(outputs: dict, inputs: dict) -> None:
+    """The caller's output arrays (name -> ArraySpec) share no memory with each other nor with the
+    call's inputs: a kernel writing one while it reads or writes the other gives wrong results."""
+    if not outputs:
+        return
+    arrays = {**{n: a for n, a in inputs.items() if a is not None}, **outputs}
+    ranges = {n: _byte_range(a) for n, a in arrays.items()}
+    names = list(outputs)
+    for i, name in enumerate(names):
+        for other in names[i + 1:] + [n for n in arrays if n not in outputs]:
+            if shares_memory(outputs[name], arrays[other], (ranges[name], ranges[other])):
+                raise ValueError(f"{name} shares memory with {other}; pass an output array of its own")
 
 
 def dtype_name(dtype) -> str:
@@ -88,6 +143,8 @@ def check_forward_inputs(q: ArraySpec, k: ArraySpec, v: ArraySpec) -> None:
 def check_softmax_scale(softmax_scale) -> None:
     if softmax_scale is None:
         return
+    if isinstance(softmax_scale, (bool, np.bool_)):
+        raise TypeError(f"softmax_scale must be a positive number or None; got {softmax_scale!r}")
     try:
         value = float(softmax_scale)
     except (TypeError, ValueError):
@@ -143,6 +200,8 @@ def check_backward_inputs(dout: ArraySpec, q: ArraySpec, k: ArraySpec, v: ArrayS
             raise ValueError(f"{name} must be on q's device ({q.device}); got {a.device}")
         _check_row_layout(name, a)
         _check_no_overlap(name, a)
+    check_outputs_apart({n: a for n, a in grads.items() if a is not None},
+                        {"dout": dout, "q": q, "k": k, "v": v, "out": out, "softmax_lse": softmax_lse})
 
 
 def _check_no_overlap(name: str, a: ArraySpec) -> None:
@@ -195,13 +254,18 @@ def check_band(causal, window_size, alignment) -> None:
 
 
 def check_softcap(softcap) -> None:
-    """softcap >= 0, finite and representable in float32 (0: off)."""
+    """softcap 0 (off), or positive, finite and a normal float32 (the kernels take it as one)."""
+    if isinstance(softcap, (bool, np.bool_)):
+        raise TypeError(f"softcap must be a number >= 0 (0: off); got {softcap!r}")
     try:
         value = float(softcap)
     except (TypeError, ValueError):
         raise TypeError(f"softcap must be a number >= 0 (0: off); got {softcap!r}") from None
     if not (value >= 0 and math.isfinite(value)) or value > float(np.finfo(np.float32).max):
         raise ValueError(f"softcap must be a finite number >= 0 (0: off); got {softcap!r}")
+    if 0 < value < float(np.finfo(np.float32).tiny):
+        raise ValueError(f"softcap must be 0 (off) or at least float32's smallest normal number (about 1.2e-38); "
+                         f"got {softcap!r}")
 
 
 def check_score_mods(alibi_slopes: ArraySpec | None, sinks: ArraySpec | None, batch: int, nheads: int,
@@ -247,8 +311,9 @@ def check_cu_seqlens(cu_seqlens_q: ArraySpec, cu_seqlens_k: ArraySpec, max_seqle
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
-            raise ValueError(f"{name} must be an int >= 0; got {value!r}")
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+                or not 0 <= value < MAX_ROWS:
+            raise ValueError(f"{name} must be an int in [0, 2**30); got {value!r}")
     return cu_seqlens_q.shape[0] - 1
 
 
@@ -293,7 +358,7 @@ def check_kvcache_inputs(q: ArraySpec, k_cache: ArraySpec, v_cache: ArraySpec, k
     batch, _, nheads, head_dim = q.shape
     if head_dim not in head_dims:
         raise ValueError(f"q's head dim {head_dim} is not one the kv-cache kernels support: {head_dims}")
-    layout = "(num_blocks, page_size, nheads_k, headdim)" if block_table else "(batch_cache, seqlen_cache, nheads_k, headdim)"
+    layout = "(num_blocks, page_size, nheads_k, headdim)" if block_table is not None else "(batch_cache, seqlen_cache, nheads_k, headdim)"
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
         if len(a.shape) != 4:
             raise ValueError(f"{name} must have 4 dimensions {layout}; got shape {a.shape}")
@@ -330,6 +395,16 @@ def check_kvcache_inputs(q: ArraySpec, k_cache: ArraySpec, v_cache: ArraySpec, k
             raise ValueError("block_table's rows must be contiguous; copy it with cupy.ascontiguousarray(block_table)")
         if block_table.device != q.device:
             raise ValueError(f"block_table must be on q's device ({q.device}); got {block_table.device}")
+        if block_table.shape[1] == 0 or k_cache.shape[1] == 0:
+            raise ValueError(f"a paged cache needs at least one block per sequence and one row per block; got "
+                             f"block_table {block_table.shape} and k_cache {k_cache.shape}")
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    if capacity >= MAX_ROWS:
+        raise ValueError(f"the cache holds {capacity} rows per sequence; the kernels take fewer than 2**30")
+    # the kv-cache kernels' grids have sequences on z and heads on y
+    if batch > MAX_GRID_YZ or nheads > MAX_GRID_YZ:
+        raise ValueError(f"q's batch ({batch}) and nheads ({nheads}) must be at most {MAX_GRID_YZ} each; split the "
+                         "batch")
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
     if rotary_cos is not None:
@@ -360,6 +435,17 @@ def check_index_array(name: str, a: ArraySpec, batch: int, device) -> None:
         raise ValueError(f"{name} must be on q's device ({device}); got {a.device}")
 
 
+def check_cache_batch_idx(batch_idx: np.ndarray, seqlen_new: int, cache_entries: int) -> None:
+    """cache_batch_idx's values (host copy): in range and, when keys are appended, distinct."""
+    bad = np.flatnonzero((batch_idx < 0) | (batch_idx >= cache_entries))
+    if bad.size:
+        raise ValueError(f"cache_batch_idx[{bad[0]}] = {batch_idx[bad[0]]} is outside the cache's "
+                         f"{cache_entries} entries")
+    if seqlen_new and np.unique(batch_idx).size != batch_idx.size:
+        raise ValueError("cache_batch_idx must be distinct when new keys are appended (two sequences would write "
+                         "the same cache entry)")
+
+
 def check_kvcache_values(seqlens: np.ndarray, leftpad: np.ndarray | None, batch_idx: np.ndarray | None,
                          block_table: np.ndarray | None, *, seqlen_new: int, capacity: int, cache_entries: int,
                          seqlen_ro: int | None, rotary_q_per_row: bool, seqlen_q: int) -> None:
@@ -374,13 +460,7 @@ def check_kvcache_values(seqlens: np.ndarray, leftpad: np.ndarray | None, batch_
         if leftpad is not None and not 0 <= leftpad[b] <= seqlens[b]:
             raise ValueError(f"cache_leftpad[{b}] = {leftpad[b]} must lie in [0, cache_seqlens[{b}] = {seqlens[b]}]")
     if batch_idx is not None:
-        bad = np.flatnonzero((batch_idx < 0) | (batch_idx >= cache_entries))
-        if bad.size:
-            raise ValueError(f"cache_batch_idx[{bad[0]}] = {batch_idx[bad[0]]} is outside the cache's "
-                             f"{cache_entries} entries")
-        if seqlen_new and np.unique(batch_idx).size != batch_idx.size:
-            raise ValueError("cache_batch_idx must be distinct when new keys are appended (two sequences would write "
-                             "the same cache entry)")
+        check_cache_batch_idx(batch_idx, seqlen_new, cache_entries)
     if block_table is not None:
         page_size = capacity // block_table.shape[1]
         for b in range(seqlens.shape[0]):

@@ -204,6 +204,12 @@ def test_kvcache_inputs_accepted():
      "multiple of 16"),
     (dict(block_table=spec((2, 4), np.int64)), "block_table must be int32"),
     (dict(k_cache=spec((2, 100, 2, 128), strides=(25600, 256, 128, 2))), "contiguous in its last dimension"),
+    (dict(block_table=spec((2, 0), np.int32)), "at least one block per sequence"),
+    (dict(k_cache=spec((8, 0, 2, 128)), v_cache=spec((8, 0, 2, 128)), block_table=spec((2, 4), np.int32)),
+     "one row per block"),
+    (dict(k_cache=spec((8, 2**20, 2, 128)), v_cache=spec((8, 2**20, 2, 128)), block_table=spec((2, 2**10), np.int32)),
+     "the cache holds 1073741824 rows per sequence"),
+    (dict(q=spec((65536, 1, 8, 128)), k_cache=spec((2, 100, 2, 128))), r"batch \(65536\) and nheads"),
 ])
 def test_kvcache_inputs_refused_naming_the_argument(over, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -238,6 +244,25 @@ def test_kvcache_values_accepted():
 def test_kvcache_values_refused(over, match):
     with pytest.raises(ValueError, match=match):
         check_kvcache_values(**_values(**over))
+
+
+def test_cache_seqlens_as_an_int_checked_before_any_copy():
+    with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, 2\*\*30\); got 3000000000"):
+        kvcache._index_array(3_000_000_000, "cache_seqlens", 2, 0, True)
+    with pytest.raises(ValueError, match="cache_seqlens must lie in"):
+        kvcache._index_array(-1, "cache_seqlens", 2, 0, True)
+
+
+def test_cache_batch_idx_checked_on_its_own():
+    """Where the lengths stay on the GPU (check_values=False), a host cache_batch_idx is still checked."""
+    from flashcupy.validation import check_cache_batch_idx
+
+    check_cache_batch_idx(np.array([1, 0], np.int32), 1, 2)
+    check_cache_batch_idx(np.array([1, 1], np.int32), 0, 2)  # nothing appended: may repeat
+    with pytest.raises(ValueError, match=r"cache_batch_idx\[0\] = -1 is outside"):
+        check_cache_batch_idx(np.array([-1, 0], np.int32), 1, 2)
+    with pytest.raises(ValueError, match="distinct"):
+        check_cache_batch_idx(np.array([0, 0], np.int32), 1, 2)
 
 
 def test_unused_blocks_of_the_table_are_not_checked():

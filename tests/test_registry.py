@@ -1,5 +1,7 @@
 """Kernel families and dispatch, on the CPU: which family serves a problem, and why not."""
 
+import dataclasses
+
 import pytest
 
 from flashcupy import api, registry, sm80, sm90_bwd, sm90_fwd
@@ -104,6 +106,41 @@ def test_options_are_checked_once_where_they_are_given():
         api.FlashAttention(softcap=float("nan"))
     with pytest.raises(TypeError, match="deterministic"):
         api.FlashAttention(deterministic=None)
+    for window in (5, None):  # not a pair: the check's own error, not tuple()'s
+        with pytest.raises(TypeError, match="window_size must be a pair"):
+            api.FlashAttention(window_size=window)
+    # a family name is checked where it is given, also for calls that launch nothing (empty inputs)
+    with pytest.raises(ValueError, match=r"backend='sm99' names no kernel family; choose from sm90, sm80"):
+        AttentionOptions(backend="sm99")
+    assert AttentionOptions(backend="sm80").backend == "sm80"
+
+
+class _Strided:
+    """An array's shape, byte strides and device, as Problem.padded reads them."""
+
+    class device:
+        id = 0
+
+    def __init__(self, shape, strides):
+        self.shape, self.strides = shape, strides
+
+
+def test_hopper_families_leave_broadcast_and_reversed_views_to_sm80():
+    """TMA tensor maps take positive strides: a zero (broadcast) or negative (reversed) stride over a
+    dim of extent > 1 in any array the kernels read sends the call to the sm80 families."""
+    dense = _Strided((2, 512, 8, 128), (512 * 8 * 128 * 2, 8 * 128 * 2, 128 * 2, 2))
+    options = AttentionOptions()
+    for read, positive in (((dense, dense, dense), True),
+                           ((dense, _Strided((2, 512, 8, 128), (0, 8 * 128 * 2, 128 * 2, 2)), dense), False),
+                           ((dense, dense, _Strided((2, 512, 8, 128), (512 * 8 * 128 * 2, -8 * 128 * 2, 256, 2))), False),
+                           ((_Strided((1, 512, 8, 128), (0, 8 * 128 * 2, 128 * 2, 2)), dense, dense), True)):  # extent 1
+        problem = Problem.padded(dense, dense, "bfloat16", options, read=read)
+        assert problem.positive_strides is positive
+        for direction in ("fwd", "bwd"):
+            assert registry.select(direction, problem, HOPPER).name == ("sm90" if positive else "sm80")
+    for direction in ("fwd", "bwd"):
+        with pytest.raises(ValueError, match="cannot compute this .*: an input with a zero or negative stride"):
+            registry.select(direction, dataclasses.replace(sketch(), positive_strides=False), HOPPER, "sm90")
 
 
 def test_a_family_that_passes_over_a_problem_yields_to_the_next():

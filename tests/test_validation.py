@@ -224,7 +224,8 @@ def test_varlen_layout_and_cu_seqlens():
         ((spec((4,), i32), spec((5,), i32), 1, 1), ValueError, "same length"),
         ((spec((4,), i32, strides=(2,)), spec((4,), i32), 1, 1), ValueError, "cu_seqlens_q must be contiguous"),
         ((spec((4,), i32), spec((4,), i32, device=1), 1, 1), ValueError, "cu_seqlens_k must be on q's device"),
-        ((spec((4,), i32), spec((4,), i32), -1, 1), ValueError, "max_seqlen_q must be an int >= 0"),
+        ((spec((4,), i32), spec((4,), i32), -1, 1), ValueError, r"max_seqlen_q must be an int in \[0, 2\*\*30\)"),
+        ((spec((4,), i32), spec((4,), i32), 1, 2**30), ValueError, r"max_seqlen_k must be an int in \[0, 2\*\*30\)"),
         ((spec((4,), i32), spec((4,), i32), 1, 2.5), ValueError, "max_seqlen_k must be an int"),
     ]
     for args, error, match in cases:
@@ -241,3 +242,65 @@ def test_varlen_layout_and_cu_seqlens():
     for args, match in bad:
         with pytest.raises(ValueError, match=match):
             check_cu_seqlens_values("cu_seqlens_q", *args)
+
+
+def test_numbers_that_are_bools_or_below_float32_refused():
+    from flashcupy.validation import check_softcap
+
+    with pytest.raises(TypeError, match="softmax_scale must be a positive number"):
+        check_softmax_scale(True)
+    with pytest.raises(TypeError, match="softcap must be a number"):
+        check_softcap(True)
+    for tiny in (1e-46, 1e-39):  # 0 in float32, and a subnormal one: the kernels would not see the cap
+        with pytest.raises(ValueError, match="softcap must be 0 .off. or at least float32's smallest normal"):
+            check_softcap(tiny)
+    check_softcap(1e-30)
+
+
+def test_windows_wider_than_both_sequences_are_unbounded():
+    """A side at least seqlen_q + seqlen_k wide reaches every key: planned as -1, so values past
+    the kernels' 32-bit rows never reach them."""
+    from flashcupy.problem import plan_band
+
+    assert plan_band(False, (-1, 2**31 - 1), "bottom_right", 100, 77).mask == "none"
+    assert plan_band(False, (2**40, 2**40), "top_left", 100, 77).mask == "none"
+    assert plan_band(True, (2**31, 0), "bottom_right", 100, 77).mask == "causal"
+    band = plan_band(True, (2**31, 0), "top_left", 100, 77)  # causal from the top left: the local kernel
+    assert (band.mask, band.right) == ("local", 0) and band.left > 177
+    # one key short of every row's keys stays a window
+    band = plan_band(False, (176, 176), "bottom_right", 100, 77)
+    assert (band.mask, band.left, band.right) == ("local", 176, 176)
+
+
+GPU_BASE = 0x7F0000000000
+
+
+def placed(shape, strides=None, offset=0, dtype=np.float16):
+    """An ArraySpec at a GPU address (offset in elements from GPU_BASE)."""
+    a = spec(shape, dtype, strides)
+    return ArraySpec(a.shape, a.dtype, a.strides, a.device, GPU_BASE + offset * a.dtype.itemsize)
+
+
+def test_outputs_that_share_memory_refused():
+    from flashcupy.validation import check_backward_inputs, shares_memory
+
+    b, s, h, d = 2, 100, 8, 64
+    size = b * s * h * d
+    q, dout, out = (placed((b, s, h, d), offset=i * size) for i in range(3))
+    k, v = (placed((b, s, h, d), offset=(3 + i) * size) for i in range(2))
+    lse = ArraySpec((b, h, s), np.dtype(np.float32), (h * s, s, 1), 0, GPU_BASE + 10 * size * 2)
+    # the gradients of a packed (b, s, 3, h, d) tensor: interleaved, no element in common
+    packed = [placed((b, s, h, d), (s * 3 * h * d, 3 * h * d, d, 1), offset=20 * size + i * h * d) for i in range(3)]
+    check_backward_inputs(dout, q, k, v, out, lse, dict(zip(("dq", "dk", "dv"), packed)))
+    assert not shares_memory(packed[0], packed[1])
+    cases = [
+        (dict(dq=packed[0], dk=packed[1], dv=packed[1]), "dk shares memory with dv"),
+        (dict(dq=q), "dq shares memory with q"),
+        (dict(dk=placed((b, s, h, d), offset=size + d)), "dk shares memory with dout"),  # one head off
+        (dict(dv=placed((b, s, h, d), offset=10 * size - 1)), "dv shares memory with softmax_lse"),  # 2 bytes before it
+    ]
+    for grads, match in cases:
+        with pytest.raises(ValueError, match=match):
+            check_backward_inputs(dout, q, k, v, out, lse, grads)
+    # arrays without an address (host descriptions) are never taken to share memory
+    assert not shares_memory(spec((2, 4)), spec((2, 4)))
