@@ -128,6 +128,26 @@ def test_noncontiguous_strides_and_given_outputs(causal):
     assert not cupy.isnan(dqkv.astype(cupy.float32)).any()
 
 
+def test_outputs_that_share_memory_refused_before_any_write():
+    """dk and dv in one buffer, or dq over q: refused by name, and nothing written."""
+    import cupy
+
+    import flashcupy
+
+    rng = np.random.default_rng(14)
+    q, k, v, dout = (randn(rng, (2, 130, 4, 64), "bfloat16") for _ in range(4))
+    out, lse = flashcupy.flash_attn_func(q, k, v, return_lse=True)
+    shared = cupy.full(k.shape, 7, dtype=k.dtype)
+    q_before = q.copy()
+    for given, match in ((dict(dk=shared, dv=shared), "dk shares memory with dv"),
+                         (dict(dq=q), "dq shares memory with q"),
+                         (dict(dv=dout[:, :, ::-1]), "dv shares memory with dout")):
+        with pytest.raises(ValueError, match=match):
+            flashcupy.flash_attn_backward(dout, q, k, v, out, lse, **given)
+    assert bool((shared.astype(cupy.float32) == 7).all())
+    assert bool((q.astype(cupy.float32) == q_before.astype(cupy.float32)).all())
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gqa_sums_over_groups(causal, head_dim):

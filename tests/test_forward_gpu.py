@@ -105,6 +105,29 @@ def test_noncontiguous_strides(causal):
     run_and_check(q, k, v, causal, "bfloat16")
 
 
+def test_broadcast_and_reversed_views(forward_family):
+    """K and V broadcast over the batch (stride 0) and Q reversed along the sequence (a negative
+    stride), read in place: the sm80 kernels compute them; the sm90 family's TMA tensor maps take
+    positive strides, so forcing it says so."""
+    import cupy
+
+    import flashcupy
+    from flashcupy.device import device_info
+
+    rng = np.random.default_rng(13)
+    b, n, h, d = 3, 129, 4, 64
+    q = randn(rng, (b, n, h, d), "bfloat16")[:, ::-1]
+    k, v = (cupy.broadcast_to(randn(rng, (1, n, h, d), "bfloat16"), (b, n, h, d)) for _ in range(2))
+    assert q.strides[1] < 0 and k.strides[0] == 0
+    if forward_family == "sm90":
+        if device_info().capability != 90:
+            pytest.skip("sm90: Hopper (compute capability 9.0) only")
+        with pytest.raises(ValueError, match="zero or negative stride"):
+            flashcupy.flash_attn_func(q, k, v)
+        return
+    run_and_check(q, k, v, True, "bfloat16")
+
+
 def test_gqa_heads():
     rng = np.random.default_rng(5)
     q = randn(rng, (2, 200, 8, 64), "float16")
