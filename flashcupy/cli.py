@@ -114,6 +114,13 @@ _OFF_ON = {"off": (False,), "on": (True,), "both": (False, True)}  # --causal, -
 # ----------------------------------------------------------------------------------------------
 
 
+def _in_existing_folder(ctx, param, value):
+    """An output file's folder must exist: found out now, not after a sweep of minutes."""
+    if value is not None and not os.path.isdir(os.path.dirname(os.path.abspath(value))):
+        raise click.BadParameter(f"the folder of {value!r} does not exist", ctx=ctx, param=param)
+    return value
+
+
 def _require_gpu(ctx):
     """DeviceInfo of the current device, or one line on stderr saying what is missing and exit
     status NO_GPU_EXIT."""
@@ -247,8 +254,9 @@ def main():
               help="Timed calls per case; the median is reported.")
 @click.option("--warmup", type=click.IntRange(min=0), default=bench.DEFAULT_WARMUP, show_default=True,
               help="Untimed calls after the first one.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the results as JSON here.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), callback=_in_existing_folder,
+              help="Write the results as JSON here.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), callback=_in_existing_folder,
               help="Draw TFLOP/s vs seqlen to this image (e.g. bench.png); needs matplotlib.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no table (use with --json).")
 @click.option("--decode", is_flag=True,
@@ -460,7 +468,7 @@ def _default_jobs() -> int:
 @click.option("--direction", type=click.Choice(["fwd", "bwd", "kvcache", "all"]), default="all", show_default=True,
               help="Forward kernels, backward kernels, flash_attn_with_kvcache's kernels, or all three.")
 @click.option("--causal", type=click.Choice(sorted(_OFF_ON)), default="both", show_default=True,
-              help="Causal variants off, on, or both.")
+              help="Masked variants (causal and local) off, on, or both.")
 @click.option("--deterministic", type=click.Choice(sorted(_OFF_ON)), default="both", show_default=True,
               help="Backward: variants with deterministic dQ off, on, or both.")
 @click.option("--score-mod", type=click.Choice(sorted(_OFF_ON)), default="both", show_default=True,
@@ -479,6 +487,9 @@ def compile_command(ctx, head_dims, dtypes, direction, causal, deterministic, sc
     this machine, GPU or not, to check the kernels and the toolchain. Exit status 1 when a variant
     fails to compile.
     """
+    if direction in ("fwd", "kvcache") and ctx.get_parameter_source("deterministic") not in (
+            click.core.ParameterSource.DEFAULT, None):
+        raise click.UsageError(f"--deterministic applies to the backward kernels, not --direction {direction}", ctx=ctx)
     names = tuple(bench.DTYPES[d] for d in dtypes)
     choice = {"head_dims": head_dims, "dtypes": names, "masks": _MASKS_FOR_CAUSAL[causal],
               "score_mods": _OFF_ON[score_mod], "deterministic": _OFF_ON[deterministic]}
@@ -552,8 +563,10 @@ def _compile_and_report(ctx, variants, jobs, header, info=None, arch=None, note=
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
 @click.pass_context
 def check_command(ctx, head_dims, seed):
-    """Check every kernel variant the dispatcher can pick here against the float64 reference, each
-    kernel family forced in turn (backend=).
+    """Check every forward kernel variant the dispatcher can pick here against the float64
+    reference, each kernel family forced in turn (backend=), and each backward family on the same
+    cases (dQ by atomics, as many kv heads as query heads; the deterministic, GQA and kv-cache
+    kernels are the GPU test suite's).
 
     Pass: ||out - ref|| / ||ref|| under 2e-2 (bf16) or 5e-3 (fp16) forward, 5e-2 (bf16) or 1e-2
     (fp16) for the worst gradient, LSE within 2e-3, and no NaN or inf where the reference is

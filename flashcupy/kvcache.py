@@ -86,7 +86,7 @@ def num_splits_for(batch: int, head_groups: int, m_blocks: int, key_capacity: in
     packed q blocks x splits) within one wave of the GPU's `slots` (SMs x the kernel's blocks per
     SM), each split at least MIN_KEYS_PER_SPLIT keys of the cache's capacity (the index arrays'
     values are on the GPU: the plan may not read them), at most MAX_SPLITS; none when the blocks
-    without splits fill half the slots or more. (A second wave of a few blocks costs a whole
+    without splits exceed half the slots. (A second wave of a few blocks costs a whole
     block's time: 5 splits of 8 x 8k keys, 320 blocks on an H200's 264 slots, took 1.4x as long
     as 4.)"""
     blocks = batch * head_groups * m_blocks

@@ -259,7 +259,8 @@ def section_heads(problem, mask: str) -> int:
 def _bindings_missing() -> str | None:
     """Why the tensor maps cannot be encoded here (cuda-bindings not installed), or None."""
     if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
-        return "needs NVIDIA's cuda-bindings for its tensor maps (pip install 'flashcupy[cuda12]')"
+        return ("needs NVIDIA's cuda-bindings for its tensor maps (pip install 'flashcupy[cuda12]' or "
+                "'flashcupy[cuda13]', the driver's CUDA major)")
     return None
 
 

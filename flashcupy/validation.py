@@ -358,7 +358,8 @@ def check_kvcache_inputs(q: ArraySpec, k_cache: ArraySpec, v_cache: ArraySpec, k
     batch, _, nheads, head_dim = q.shape
     if head_dim not in head_dims:
         raise ValueError(f"q's head dim {head_dim} is not one the kv-cache kernels support: {head_dims}")
-    layout = "(num_blocks, page_size, nheads_k, headdim)" if block_table is not None else "(batch_cache, seqlen_cache, nheads_k, headdim)"
+    layout = ("(num_blocks, page_size, nheads_k, headdim)" if block_table is not None
+              else "(batch_cache, seqlen_cache, nheads_k, headdim)")
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
         if len(a.shape) != 4:
             raise ValueError(f"{name} must have 4 dimensions {layout}; got shape {a.shape}")
