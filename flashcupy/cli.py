@@ -358,6 +358,9 @@ def _bench_decode(ctx, head_dims, dtypes, peers, repeats, warmup, json_path, qui
         if p not in bench_decode.PEERS:
             raise click.BadParameter(f"{p!r} is not a decode peer; choose from {', '.join(bench_decode.PEERS)}",
                                      ctx=ctx, param_hint="'--peers'")
+    if "paged" in layouts and all(n % page_size for n in kv_lens):
+        raise click.BadParameter(f"{page_size} divides none of the kv lengths, so no paged case would run",
+                                 ctx=ctx, param_hint="'--page-size'")
     info = _require_gpu(ctx)
     if peers:
         reason = bench.torch_unavailable_reason()

@@ -124,8 +124,12 @@ def test_clock_kernels_compile(name, arch):
     (["--decode", "--hbm-peak", "-1"], "--hbm-peak"),
     (["--decode", "--peers", "naive"], "'naive' is not a decode peer"),
     (["--decode", "--head-dims", "100"], "not supported"),
+    (["--decode", "--kv-lens", "1000,3000", "--page-size", "16"], "16 divides none of the kv lengths"),
 ])
-def test_decode_bad_options_are_usage_errors(args, hint):
+def test_decode_bad_options_are_usage_errors(args, hint, monkeypatch):
+    from flashcupy import cli
+
+    monkeypatch.setattr(cli, "_require_gpu", lambda ctx: pytest.fail("the GPU was asked for before the options"))
     result = invoke("bench", *args)
     assert result.exit_code == 2, result.output
     assert hint in result.output
