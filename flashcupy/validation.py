@@ -381,6 +381,7 @@ def check_kvcache_inputs(q: ArraySpec, k_cache: ArraySpec, v_cache: ArraySpec, k
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
         arrays += [("k", k), ("v", v)]
+        check_outputs_apart({"k_cache": k_cache, "v_cache": v_cache}, {})  # the append writes both
     for name, a in arrays:
         if a.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {a.dtype}; it must be q's ({q.dtype})")

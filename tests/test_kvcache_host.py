@@ -1,6 +1,8 @@
 """The kv-cache path on the CPU: its reference (decode_ref) against plain attention, the split-KV
 merge, the split rule, the argument checks and the parameter layout."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -177,6 +179,11 @@ def test_blocks_per_sm():
 
 # ---- argument checks ----------------------------------------------------------------------------
 
+def _at(a, offset):
+    """`a` placed at a GPU address, `offset` elements past a common base."""
+    return dataclasses.replace(a, address=0x7F0000000000 + offset * a.dtype.itemsize)
+
+
 def _inputs(**over):
     base = dict(q=spec((2, 1, 8, 128)), k_cache=spec((2, 100, 2, 128)), v_cache=spec((2, 100, 2, 128)), k=None,
                 v=None, block_table=None, rotary_cos=None, rotary_sin=None)
@@ -188,6 +195,8 @@ def test_kvcache_inputs_accepted():
     check_kvcache_inputs(**_inputs(), head_dims=kvcache.HEAD_DIMS)
     check_kvcache_inputs(**_inputs(k=spec((2, 3, 2, 128)), v=spec((2, 3, 2, 128)), rotary_cos=spec((200, 32)),
                                    rotary_sin=spec((200, 32))), head_dims=kvcache.HEAD_DIMS)
+    check_kvcache_inputs(**_inputs(k_cache=_at(spec((2, 100, 2, 128)), 0), v_cache=_at(spec((2, 100, 2, 128)), 51200),
+                                   k=spec((2, 3, 2, 128)), v=spec((2, 3, 2, 128))), head_dims=kvcache.HEAD_DIMS)
 
 
 @pytest.mark.parametrize("over, match", [
@@ -210,6 +219,8 @@ def test_kvcache_inputs_accepted():
     (dict(k_cache=spec((8, 2**20, 2, 128)), v_cache=spec((8, 2**20, 2, 128)), block_table=spec((2, 2**10), np.int32)),
      "the cache holds 1073741824 rows per sequence"),
     (dict(q=spec((65536, 1, 8, 128)), k_cache=spec((2, 100, 2, 128))), r"batch \(65536\) and nheads"),
+    (dict(k_cache=_at(spec((2, 100, 2, 128)), 0), v_cache=_at(spec((2, 100, 2, 128)), 128), k=spec((2, 3, 2, 128)),
+          v=spec((2, 3, 2, 128))), "k_cache shares memory with v_cache"),
 ])
 def test_kvcache_inputs_refused_naming_the_argument(over, match):
     with pytest.raises((ValueError, TypeError), match=match):
