@@ -74,7 +74,7 @@ struct Sm90FwdTraits {
     // loads when the stores have read it. Else each thread stores its fragments.
     static constexpr int kOBytes = kBlockM * kHeadDim * 2;
     static constexpr bool kOOwnBuffer = kOffV + kStages * kKVBytes + kOBytes + 2048 <= kMaxSmem;
-    static constexpr bool kOInQ = !kOOwnBuffer && kQSlots == 1;  // the kernels without a band (below)
+    static constexpr bool kOInQ = !kOOwnBuffer && kQSlots == 1;  // where the kernel asks for it (below)
     static constexpr int kOffO = kOffV + kStages * kKVBytes;
     static constexpr int kOffBar = kOffO + (kOOwnBuffer ? kOBytes : 0);
     // per stage K full, V full, K empty, V empty; per Q slot full, empty; per tile slot full, empty
@@ -106,7 +106,7 @@ static_assert(sizeof(FwdParams) + 16 <= 256 && sizeof(Sm90FwdArgs) == 256 + 4 * 
               "flashcupy/sm90_fwd.py lays section_heads, tile_counter after FwdParams, the tensor maps at 256, 384, 512, 640");
 
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kPingPong, bool kAdvanceDescs, bool Is_causal,
-          bool Is_local, bool Is_bf16, bool Has_score_mod>
+          bool Is_local, bool Is_bf16, bool Has_score_mod, bool kStageOInQ>
 __global__ void __launch_bounds__(128 * (1 + kBlockM / 64), 1)
 flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     using T = Sm90FwdTraits<kHeadDim, kBlockM, kBlockN, kStages>;
@@ -115,9 +115,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     // without a band (2-4% faster there; level at d = 64 causal, 2-4% slower at d = 128 causal,
     // level at d = 128 without a mask: docs/PERF_NOTES.md).
     constexpr bool kRescaleUnderS = kHeadDim > 128 || (kHeadDim == 64 && !Is_causal && !Is_local);
-    // O in the Q buffer only without a band: at d = 256 causal it measured 3% slower from 8k (and
-    // 6-11% faster at 512-1k); without a mask 7-10% faster at 512-1k, level from 4k
-    constexpr bool kOInQ = T::kOInQ && !Is_causal && !Is_local, kStoreO = T::kOOwnBuffer || kOInQ;
+    // O in the Q buffer where the tile has no room for its own and the caller asks for it
+    // (flashcupy/sm90_fwd.py: always without a band; for short rows under a band)
+    static_assert(!kStageOInQ || T::kOInQ, "O staged in the Q buffer: only where the traits have no room for its own");
+    constexpr bool kOInQ = kStageOInQ, kStoreO = T::kOOwnBuffer || kOInQ;
     const FwdParams& p = args.p;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_u32(smem_raw) + 1023) & ~1023u;

@@ -159,6 +159,13 @@ class Problem:
         return self.options.softcap > 0 or self.options.alibi_slopes is not None
 
     @property
+    def keys_per_row(self) -> int:
+        """The most keys one query row sees: seqlen_k, or a local band's width where narrower."""
+        if self.band.mask == "local":
+            return min(self.max_seqlen_k, self.band.left + self.band.right + 1)
+        return self.max_seqlen_k
+
+    @property
     def is_varlen(self) -> bool:
         return self.cu_seqlens_q is not None
 

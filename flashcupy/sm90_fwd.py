@@ -66,15 +66,30 @@ def q_slots(head_dim: int, tile: Sm90FwdTile) -> int:
     return 2 if 2 * q + 2 * tile.stages * kv + 2048 <= MAX_SMEM else 1
 
 
-def o_buffer(head_dim: int, tile: Sm90FwdTile, mask: str = "none") -> str:
-    """Where O's tile is staged for its TMA stores (Sm90FwdTraits::kOOwnBuffer, and kOInQ as the
-    kernel gates it by its band): "own" where it fits beside the Q buffers and the K/V stages, "q" in
-    the one Q buffer (without a causal or local band), "" nowhere (each thread stores its fragments)."""
+def o_buffer(head_dim: int, tile: Sm90FwdTile, in_q: bool = True) -> str:
+    """Where O's tile is staged for its TMA stores (Sm90FwdTraits::kOOwnBuffer and kOInQ): "own"
+    where it fits beside the Q buffers and the K/V stages; else "q", in the one Q buffer, if `in_q`
+    (the variant's o_in_q); else "" (each thread stores its fragments)."""
     q, kv = tile.block_m * head_dim * 2, tile.block_n * head_dim * 2
     slots = q_slots(head_dim, tile)
     if slots * q + 2 * tile.stages * kv + q + 2048 <= MAX_SMEM:
         return "own"
-    return "q" if slots == 1 and mask == "none" else ""
+    return "q" if slots == 1 and in_q else ""
+
+
+# Keys per row up to which a banded kernel without room for O's own buffer (d = 192, 256) stages O
+# in the Q buffer, as the kernels without a band always do: no 4-byte stores in the epilogue, but
+# the next tile's Q waits for O's stores to read the buffer. H100, d = 256: 1.05 / 1.02 at 512 / 1k
+# causal and 1.01-1.11 under a 1024-key window, 0.97-0.99 causal from 2k (docs/PERF_NOTES.md).
+BANDED_O_IN_Q_MAX_KEYS = 1280
+
+
+def stages_o_in_q(head_dim: int, mask: str, keys_per_row: int) -> bool:
+    """Whether a variant stages O in its Q buffer: where the tile has no room for O's own buffer,
+    always without a band, and under a band when a row sees at most BANDED_O_IN_Q_MAX_KEYS keys."""
+    if o_buffer(head_dim, _TILES[head_dim]) != "q":
+        return False
+    return mask == "none" or keys_per_row <= BANDED_O_IN_Q_MAX_KEYS
 
 
 def smem_bytes(head_dim: int, tile: Sm90FwdTile) -> int:
@@ -95,6 +110,7 @@ class Sm90FwdVariant:
     mask: str   # one of configs.MASKS
     dtype: str
     score_mod: bool = False  # softcap / ALiBi (cuda_src/score_mod.cuh)
+    o_in_q: bool = False  # O's tile staged in the Q buffer (stages_o_in_q)
 
     source = "fwd_sm90.cu"
     nvrtc_options = NVRTC_OPTIONS + (f"-arch={ARCH}",)
@@ -104,7 +120,7 @@ class Sm90FwdVariant:
         t = self.tile
         return (f"flash_fwd_sm90_kernel<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}, "
                 f"{cpp_bool(t.ping_pong)}, {cpp_bool(t.advance_descs)}, {mask_flags(self.mask)}, "
-                f"{cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.score_mod)}>")
+                f"{cpp_bool(self.dtype == 'bfloat16')}, {cpp_bool(self.score_mod)}, {cpp_bool(self.o_in_q)}>")
 
     @property
     def smem_bytes(self) -> int:
@@ -116,22 +132,26 @@ class Sm90FwdVariant:
         it), as the kernel's traits have them."""
         t = self.tile
         traits = f"Sm90FwdTraits<{self.head_dim}, {t.block_m}, {t.block_n}, {t.stages}>"
-        o = o_buffer(self.head_dim, t, self.mask)
+        o = o_buffer(self.head_dim, t, self.o_in_q)
         return (build.smem_check(traits, self) + "\n"
                 + f"static_assert({traits}::kOOwnBuffer == {cpp_bool(o == 'own')} && ({traits}::kOInQ && "
-                  f"{cpp_bool(self.mask == 'none')}) == {cpp_bool(o == 'q')}, "
+                  f"{cpp_bool(self.o_in_q)}) == {cpp_bool(o == 'q')}, "
                   f'"{self}: O staged as sm90_fwd.o_buffer says ({o or "nowhere"})");')
 
     def __str__(self) -> str:
         t = self.tile
         return (f"fwd-sm90 d={self.head_dim} {self.dtype} mask={self.mask}{'+score_mod' if self.score_mod else ''} "
                 f"tile={t.block_m}x{t.block_n} "
-                f"stages={t.stages}{' ping-pong' if t.ping_pong else ''}{' advance-descs' if t.advance_descs else ''}")
+                f"stages={t.stages}{' ping-pong' if t.ping_pong else ''}{' advance-descs' if t.advance_descs else ''}"
+                f"{' o-in-q' if self.o_in_q else ''}")
 
 
-def variant(head_dim: int, dtype: str, mask: str, score_mod: bool = False) -> Sm90FwdVariant:
+def variant(head_dim: int, dtype: str, mask: str, score_mod: bool = False, keys_per_row: int = 0) -> Sm90FwdVariant:
+    """The kernel for a head dim, dtype, mask and score mods; `keys_per_row`, the most keys a query
+    row sees, picks where O is staged (stages_o_in_q)."""
     mask_flags(mask)  # validates
-    return Sm90FwdVariant(head_dim, _TILES[head_dim], mask, dtype, bool(score_mod))
+    return Sm90FwdVariant(head_dim, _TILES[head_dim], mask, dtype, bool(score_mod),
+                          stages_o_in_q(head_dim, mask, keys_per_row))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,14 +324,17 @@ class Sm90Forward(HopperFamily):
                                   lambda: variant(problem.head_dim, problem.dtype, problem.band.mask).smem_bytes)
 
     def variant(self, problem, device) -> Sm90FwdVariant:
-        return variant(problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod)
+        return variant(problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod, problem.keys_per_row)
 
     def variants(self, capability, smem_optin=None, head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"),
                  masks=("none", "causal", "local"), score_mods=(False, True), deterministic=(False, True)) -> list:
         if not self.runs_on(capability):
             return []
-        return [variant(d, dt, m, mod) for d in head_dims if d in HEAD_DIMS for dt in dtypes for m in masks
-                for mod in score_mods]
+        # a banded variant with O in the Q buffer for short rows, where the tile has it (stages_o_in_q)
+        keys = {"none": (0,), "causal": (0, BANDED_O_IN_Q_MAX_KEYS + 1), "local": (0, BANDED_O_IN_Q_MAX_KEYS + 1)}
+        found = [variant(d, dt, m, mod, n) for d in head_dims if d in HEAD_DIMS for dt in dtypes for m in masks
+                 for mod in score_mods for n in keys[m]]
+        return list(dict.fromkeys(found))
 
     def run(self, problem, device, q, k, v, out, lse) -> None:
         var = self.variant(problem, device)
@@ -327,7 +350,7 @@ class Sm90Forward(HopperFamily):
         # FwdParams opens Sm90FwdArgs: its pointer offsets hold in the whole argument
         writes = params.buffer_writes("FwdParams", params.FWD_BUFFERS)
         # out's map, written with its pointer, where the kernel stages O (varlen stores fragments)
-        if o_buffer(problem.head_dim, tile, var.mask) and not problem.is_varlen:
+        if o_buffer(problem.head_dim, tile, var.o_in_q) and not problem.is_varlen:
             dtype = problem.dtype
             writes += ((ARGS_TMA_OFFSET + 3 * TMA_BYTES, "out", lambda out: tensor_map_of(out, dtype, O_BOX_ROWS)),)
         launch = Replay(build.get_kernel(var), plan, args.tobytes(), writes)

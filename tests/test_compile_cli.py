@@ -12,9 +12,10 @@ from flashcupy import build, cli, configs, device, registry, sm80, sm90_bwd, sm9
 from flashcupy.device import DeviceInfo
 from cli_helpers import FAKE_GPU, invoke, on_gpu
 
-# per Hopper device: fwd sm90 (4 head dims x 2 dtypes x 3 masks x score mods off/on) and sm80 (6 head
-# dims ...), bwd sm90 (d=64, 128 with every option) and sm80 (144 main + 36 helpers)
-FWD_KERNELS = 48 + 72
+# per Hopper device: fwd sm90 (4 head dims x 2 dtypes x 3 masks x score mods off/on, and at d=192, 256
+# the banded ones again with O in the Q buffer: 2 x 2 x 2 x 2) and sm80 (6 head dims ...), bwd sm90
+# (d=64, 128 with every option) and sm80 (144 main + 36 helpers)
+FWD_KERNELS = 48 + 16 + 72
 BWD_KERNELS = 76 + 180  # sm90 (d=64, 128, 256 x 2 dtypes x 3 masks x deterministic, score mods; the causal
 # d=128 step of short problems x 2 dtypes x deterministic), sm80 main + helpers
 # flash_attn_with_kvcache: decode and prefill kernels (6 head dims x 2 dtypes x 3 masks x score mods), the

@@ -70,6 +70,29 @@ def test_sections_of_the_tile_order(head_dim, options, monkeypatch):
     assert len(asked) == 1  # the launch took the narrow sections
 
 
+@pytest.mark.parametrize("head_dim", [192, 256])
+@pytest.mark.parametrize("options", MASKS[1:], ids=MASK_IDS[1:])
+@pytest.mark.parametrize("o_in_q", [False, True], ids=["o-direct", "o-in-q"])
+@pytest.mark.parametrize("shape", [(3, 517, 261, 2), (45, 130, 200, 6)], ids=["rows-without-keys", "many-tiles"])
+def test_banded_o_staged_in_q_or_stored_direct(head_dim, options, o_in_q, shape, monkeypatch):
+    """Banded kernels at d = 192 and 256 stage O in the Q buffer for short rows and store it from
+    registers for long ones: both ways against the reference, with q blocks that see no key (more
+    queries than keys) and more tiles than the persistent grid has blocks."""
+    from flashcupy import build, replay, sm90_fwd
+
+    replay.clear()  # a kept launch would not ask for the variant
+    monkeypatch.setattr(sm90_fwd, "BANDED_O_IN_Q_MAX_KEYS", 10**6 if o_in_q else 0)
+    launched = []
+    get_kernel = build.get_kernel
+    monkeypatch.setattr(build, "get_kernel", lambda var: launched.append(var) or get_kernel(var))
+    batch, seqlen_q, seqlen_k, nheads = shape
+    rng = np.random.default_rng(head_dim + seqlen_q + len(options))
+    q = randn(rng, (batch, seqlen_q, nheads, head_dim), "bfloat16")
+    k, v = (randn(rng, (batch, seqlen_k, nheads, head_dim), "bfloat16") for _ in range(2))
+    run(q, k, v, "bfloat16", **options)
+    assert [var.o_in_q for var in launched] == [o_in_q]
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_many_blocks_gqa_and_sinks(head_dim):
     """batch x heads past twice the SM count; 8 query heads per kv head; sink logits."""

@@ -1,10 +1,12 @@
 """The sm90 families' host side, on the CPU: their kernel arguments and the forward's tile order."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from flashcupy import launch, params, sm90_fwd
-from flashcupy.problem import AttentionOptions, Problem
+from flashcupy.problem import AttentionOptions, Problem, plan_band
 
 
 def problem(batch, seqlen, nheads, head_dim, **options):
@@ -30,15 +32,35 @@ def test_args_layout():
 
 def test_o_goes_through_shared_memory_where_it_fits():
     """O's tile is staged for TMA stores in a buffer of its own at d = 64 and 128; d = 192 and 256
-    have no room left for one and stage it in their one Q buffer, without a band only."""
-    for mask, expected in (("none", {64: "own", 128: "own", 192: "q", 256: "q"}),
-                           ("causal", {64: "own", 128: "own", 192: "", 256: ""}),
-                           ("local", {64: "own", 128: "own", 192: "", 256: ""})):
-        tiles = {d: sm90_fwd.variant(d, "bfloat16", mask).tile for d in sm90_fwd.HEAD_DIMS}
-        assert {d: sm90_fwd.o_buffer(d, t, mask) for d, t in tiles.items()} == expected
+    have no room left for one and stage it in their one Q buffer: always without a band, and under
+    a band when a row sees at most BANDED_O_IN_Q_MAX_KEYS keys (else each thread stores its part)."""
+    short, long = sm90_fwd.BANDED_O_IN_Q_MAX_KEYS, sm90_fwd.BANDED_O_IN_Q_MAX_KEYS + 1
+    for mask, keys, expected in (("none", long, {64: "own", 128: "own", 192: "q", 256: "q"}),
+                                 ("causal", short, {64: "own", 128: "own", 192: "q", 256: "q"}),
+                                 ("causal", long, {64: "own", 128: "own", 192: "", 256: ""}),
+                                 ("local", short, {64: "own", 128: "own", 192: "q", 256: "q"}),
+                                 ("local", long, {64: "own", 128: "own", 192: "", 256: ""})):
+        variants = {d: sm90_fwd.variant(d, "bfloat16", mask, keys_per_row=keys) for d in sm90_fwd.HEAD_DIMS}
+        assert {d: sm90_fwd.o_buffer(d, v.tile, v.o_in_q) for d, v in variants.items()} == expected
+        assert {d: v.o_in_q for d, v in variants.items()} == {d: o == "q" for d, o in expected.items()}
     assert {d: sm90_fwd.q_slots(d, sm90_fwd.variant(d, "bfloat16", "none").tile) for d in (192, 256)} == {192: 1, 256: 1}
     for d in sm90_fwd.HEAD_DIMS:
         assert sm90_fwd.variant(d, "bfloat16", "causal").smem_bytes <= sm90_fwd.MAX_SMEM
+
+
+@pytest.mark.parametrize("causal, window, seqlen_q, seqlen_k, keys", [
+    (False, (-1, -1), 300, 5000, 5000),
+    (True, (-1, -1), 9000, 3000, 3000),       # causal: every key for the last rows
+    (False, (100, 30), 5000, 5000, 131),      # a band narrower than the sequence
+    (False, (-1, 30), 100, 5000, 5000),       # one side unbounded
+    (False, (4000, 4000), 100, 300, 300),     # a band wider than the keys
+])
+def test_keys_per_row(causal, window, seqlen_q, seqlen_k, keys):
+    options = AttentionOptions(causal=causal, window_size=window)
+    p = Problem.sketch(128, "bfloat16", options, seqlen=seqlen_q)
+    p = dataclasses.replace(p, max_seqlen_k=seqlen_k,
+                            band=plan_band(causal, window, "bottom_right", seqlen_q, seqlen_k))
+    assert p.keys_per_row == keys
 
 
 @pytest.mark.parametrize("batch, seqlen, nheads, head_dim, causal, expected", [
