@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import click
 import numpy as np
@@ -29,6 +30,8 @@ FWD_TOL = {"bfloat16": 2e-2, "float16": 5e-3}
 BWD_TOL = {"bfloat16": 5e-2, "float16": 1e-2}
 LSE_TOL = 2e-3
 CHECK_SEQLENS = ((257, 300), (300, 257), (512, 512))  # ragged both ways, then equal (q, k)
+# kernels that the dispatcher picks only for rows that see many keys are checked on these instead
+CHECK_LONG_ROWS = ((129, 1600),)
 CHECK_BATCH, CHECK_NHEADS = 2, 3
 CHECK_SOFTCAP = 8.0  # score-mod kernels: softcap and ALiBi slopes, where they change the result
 OFFLINE_ARCHS = ("sm_80", "sm_90a")  # `compile --arch`: the NVRTC targets of the kernel families
@@ -146,9 +149,19 @@ def _capability(info) -> str:
 
 # `compile --causal`: off builds the unmasked kernels, on the masked ones (causal and local).
 _MASKS_FOR_CAUSAL = {"off": ("none",), "on": ("causal", "local"), "both": configs.MASKS}
-# The masking each variant is checked with: the local kernels with a two-sided top-left window.
+# The masking each variant is checked with: the local kernels with a two-sided top-left window, for
+# CHECK_LONG_ROWS one wider than a thousand keys.
 _MASK_CASES = {"none": {}, "causal": {"causal": True},
                "local": {"window_size": (48, 16), "alignment": "top_left"}}
+_LONG_MASK_CASES = {**_MASK_CASES, "local": {"window_size": (1400, 16), "alignment": "top_left"}}
+
+
+class _CaseKind(NamedTuple):
+    """A forward variant's case, which the backward's check runs."""
+    head_dim: int
+    dtype: str
+    mask: str
+    score_mod: bool
 
 
 def family_variants(direction, capability, smem_optin=None, **choice) -> list:
@@ -567,9 +580,10 @@ def _compile_and_report(ctx, variants, jobs, header, info=None, arch=None, note=
 @click.pass_context
 def check_command(ctx, head_dims, seed):
     """Check every forward kernel variant the dispatcher can pick here against the float64
-    reference, each kernel family forced in turn (backend=), and each backward family on the same
-    cases (dQ by atomics, as many kv heads as query heads; the deterministic, GQA and kv-cache
-    kernels are the GPU test suite's).
+    reference, each kernel family forced in turn (backend=) and each kernel on lengths for which
+    its family launches it (a kernel that none of the lengths selects fails), and each backward
+    family on the same cases (dQ by atomics, as many kv heads as query heads; the deterministic,
+    GQA and kv-cache kernels are the GPU test suite's).
 
     Pass: ||out - ref|| / ||ref|| under 2e-2 (bf16) or 5e-3 (fp16) forward, 5e-2 (bf16) or 1e-2
     (fp16) for the worst gradient, LSE within 2e-3, and no NaN or inf where the reference is
@@ -580,29 +594,34 @@ def check_command(ctx, head_dims, seed):
         forward = family_variants("fwd", info.capability, info.smem_per_block_optin, head_dims=head_dims)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    # each backward family is checked on the forward variants' cases (head dim, dtype, mask, score
-    # mods) that it serves
-    cases = [(family, variant, "fwd") for family, variant in forward]
-    cases += [(family, variant, "bwd") for family in registry.families("bwd") if family.runs_on(info.capability)
-              for _, variant in forward if _serves(family, variant, info)]
+    # each forward variant on the lengths for which its family picks it; each backward family on the
+    # forward variants' cases (head dim, dtype, mask, score mods) that it serves, once each
+    cases = [(family, variant, "fwd", _lengths_picking(family, variant, info)) for family, variant in forward]
+    kinds = list(dict.fromkeys(_case_kind(variant) for _, variant in forward))
+    cases += [(family, variant, "bwd", _short_lengths(variant)) for family in registry.families("bwd")
+              if family.runs_on(info.capability) for variant in kinds if _serves(family, variant, info)]
     rng = np.random.default_rng(seed)
 
     click.echo(f"{info.name} (sm {_capability(info)}), batch {CHECK_BATCH}, {CHECK_NHEADS} heads")
     click.echo(f"{'case':<72} {'q x k':>9} {'rel err':>9} {'max abs':>9} {'lse err':>9}  result")
     failures = total = 0
-    for family, variant, direction in cases:
+    for family, variant, direction, lengths in cases:
         run_case = _check_forward if direction == "fwd" else _check_backward
-        for seqlen_q, seqlen_k in CHECK_SEQLENS:
+        name = (f"{family.name} {variant}" if direction == "fwd" else
+                f"{family.name} bwd d={variant.head_dim} {variant.dtype} mask={variant.mask}"
+                f"{'+score_mod' if variant.score_mod else ''}")
+        if not lengths:  # a kernel the dispatcher can pick that none of the check's problems reaches
+            total += 1
+            failures += 1
+            click.echo(f"{name:<72} {'-':>9} none of the check's lengths selects this kernel  FAIL")
+        for seqlen_q, seqlen_k, mask_options in lengths:
             total += 1
             try:
-                rel, max_abs, lse_err, ok = run_case(variant, seqlen_q, seqlen_k, rng, family.name)
+                rel, max_abs, lse_err, ok = run_case(variant, seqlen_q, seqlen_k, mask_options, rng, family.name)
                 cells = f"{rel:>9.2e} {max_abs:>9.2e} {lse_err:>9}"
             except Exception as exc:  # a failed compile or launch is a failed case, not the end
                 ok, cells = False, f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
             failures += not ok
-            name = (f"{family.name} {variant}" if direction == "fwd" else
-                    f"{family.name} bwd d={variant.head_dim} {variant.dtype} mask={variant.mask}"
-                    f"{'+score_mod' if variant.score_mod else ''}")
             click.echo(f"{name:<72} {f'{seqlen_q}x{seqlen_k}':>9} {cells}  {'PASS' if ok else 'FAIL'}")
     _record_process_kernels(info)
     click.echo(f"check: {total - failures} of {total} cases pass" + (f", {failures} FAIL" if failures else ""))
@@ -631,12 +650,12 @@ def _finite_where(x, ref) -> bool:
     return bool(np.isfinite(x)[np.isfinite(ref)].all())
 
 
-def _case_options(variant) -> tuple[dict, dict]:
+def _case_options(variant, mask_options: dict) -> tuple[dict, dict]:
     """Keyword options a variant is checked with, for flashcupy and for the reference: its mask
     case, and for the score-mod kernels a softcap with ALiBi slopes on top."""
     import cupy
 
-    options = dict(_MASK_CASES[variant.mask])
+    options = dict(mask_options)
     if not variant.score_mod:
         return options, options
     slopes = np.linspace(0.05, 0.2, CHECK_NHEADS).astype(np.float32)
@@ -644,24 +663,47 @@ def _case_options(variant) -> tuple[dict, dict]:
     return {**options, "alibi_slopes": cupy.asarray(slopes)}, {**options, "alibi_slopes": slopes.astype(np.float64)}
 
 
-def _serves(family, variant, info) -> bool:
-    """Does `family` serve the check's problem of this forward variant's case on this device?"""
-    from .problem import AttentionOptions, Problem
-
-    options = dict(_MASK_CASES[variant.mask])
+def _case_problem(variant, mask_options: dict, seqlen_q: int = 4096, seqlen_k: int | None = None) -> Problem:
+    """The check's problem for a variant's case (the softcap stands for both score mods)."""
+    options = dict(mask_options)
     if variant.score_mod:
         options["softcap"] = CHECK_SOFTCAP
-    problem = Problem.sketch(variant.head_dim, variant.dtype, AttentionOptions(**options))
-    return family.unsupported(problem, info) is None
+    return Problem.sketch(variant.head_dim, variant.dtype, AttentionOptions(**options), seqlen_q, CHECK_NHEADS,
+                          batch=CHECK_BATCH, seqlen_k=seqlen_k)
 
 
-def _check_forward(variant, seqlen_q, seqlen_k, rng, backend):
+def _serves(family, variant, info) -> bool:
+    """Does `family` serve the check's problem of this forward variant's case on this device?"""
+    return family.unsupported(_case_problem(variant, _MASK_CASES[variant.mask]), info) is None
+
+
+def _short_lengths(variant) -> list:
+    return [(seqlen_q, seqlen_k, _MASK_CASES[variant.mask]) for seqlen_q, seqlen_k in CHECK_SEQLENS]
+
+
+def _lengths_picking(family, variant, info) -> list:
+    """(seqlen_q, seqlen_k, mask options) of the check for which `family` launches `variant`: the
+    short lengths, else the long rows (kernels picked for rows that see many keys); [] if neither."""
+    for lengths in (_short_lengths(variant),
+                    [(seqlen_q, seqlen_k, _LONG_MASK_CASES[variant.mask]) for seqlen_q, seqlen_k in CHECK_LONG_ROWS]):
+        picked = [case for case in lengths if family.variant(_case_problem(variant, case[2], *case[:2]), info) == variant]
+        if picked:
+            return picked
+    return []
+
+
+def _case_kind(variant) -> _CaseKind:
+    """What the backward's check of a forward variant's case depends on."""
+    return _CaseKind(variant.head_dim, variant.dtype, variant.mask, variant.score_mod)
+
+
+def _check_forward(variant, seqlen_q, seqlen_k, mask_options, rng, backend):
     import cupy
 
     from flashcupy.reference import attention_ref
 
     q, k, v = _random_inputs(rng, variant, seqlen_q, seqlen_k, 1)
-    options, host_options = _case_options(variant)
+    options, host_options = _case_options(variant, mask_options)
     out, lse = flashcupy.flash_attn_func(*(cupy.asarray(a) for a in (q, k, v)), return_lse=True, backend=backend,
                                          **options)
     out = cupy.asnumpy(out).astype(np.float64)
@@ -676,7 +718,7 @@ def _check_forward(variant, seqlen_q, seqlen_k, rng, backend):
     return rel, max_abs, f"{lse_err:.2e}", ok
 
 
-def _check_backward(variant, seqlen_q, seqlen_k, rng, backend):
+def _check_backward(variant, seqlen_q, seqlen_k, mask_options, rng, backend):
     """Worst of dq, dk, dv against reference.attention_bwd_ref."""
     import cupy
 
@@ -684,7 +726,7 @@ def _check_backward(variant, seqlen_q, seqlen_k, rng, backend):
 
     q, dout, k, v = _random_inputs(rng, variant, seqlen_q, seqlen_k, 2)
     q_d, k_d, v_d, dout_d = (cupy.asarray(a) for a in (q, k, v, dout))
-    options, host_options = _case_options(variant)
+    options, host_options = _case_options(variant, mask_options)
     out, lse = flashcupy.flash_attn_func(q_d, k_d, v_d, return_lse=True, **options)
     grads = flashcupy.flash_attn_backward(dout_d, q_d, k_d, v_d, out, lse, backend=backend, **options)
     refs = attention_bwd_ref(*(a.astype(np.float64) for a in (dout, q, k, v)), **host_options)

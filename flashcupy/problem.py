@@ -146,11 +146,13 @@ class Problem:
 
     @classmethod
     def sketch(cls, head_dim: int, dtype: str, options: AttentionOptions, seqlen: int = 4096, nheads: int = 16,
-               nheads_k: int | None = None, batch: int = 1) -> "Problem":
-        """A padded problem without arrays, for asking which family would serve it (`flashcupy info`)."""
-        band = plan_band(options.causal, options.window_size, options.alignment, seqlen, seqlen)
+               nheads_k: int | None = None, batch: int = 1, seqlen_k: int | None = None) -> "Problem":
+        """A padded problem without arrays, for asking which family and kernel would serve it
+        (`flashcupy info`, `check`); seqlen_k defaults to seqlen."""
+        seqlen_k = seqlen if seqlen_k is None else seqlen_k
+        band = plan_band(options.causal, options.window_size, options.alignment, seqlen, seqlen_k)
         scale = 1.0 / math.sqrt(head_dim) if options.softmax_scale is None else float(options.softmax_scale)
-        return cls(batch, seqlen, seqlen, nheads, nheads if nheads_k is None else nheads_k, head_dim, dtype, scale,
+        return cls(batch, seqlen, seqlen_k, nheads, nheads if nheads_k is None else nheads_k, head_dim, dtype, scale,
                    band, options)
 
     @property

@@ -338,6 +338,58 @@ def test_check_and_bench_record_what_the_process_compiled(cache, fake_gpu, monke
     assert [e["name_expression"] for e in build.cached_variants("sm_90")] == [forward.name_expression]
 
 
+def _stub_check_runs(monkeypatch):
+    """check's cases recorded instead of run, each passing: (direction, backend, variant, q x k, mask options)."""
+    runs = []
+
+    def stub(direction):
+        def run(variant, seqlen_q, seqlen_k, mask_options, rng, backend):
+            runs.append((direction, backend, variant, (seqlen_q, seqlen_k), mask_options))
+            return 1e-3, 1e-3, "1e-04", True
+        return run
+
+    monkeypatch.setattr(cli, "_check_forward", stub("fwd"))
+    monkeypatch.setattr(cli, "_check_backward", stub("bwd"))
+    monkeypatch.setattr(build, "compiled_variants", lambda: [])
+    return runs
+
+
+def test_check_runs_each_forward_kernel_on_lengths_that_select_it(cache, fake_gpu, monkeypatch):
+    """Every forward variant is checked on problems for which its family launches that very kernel
+    (the banded d = 192 and 256 kernels that store O from registers, on rows of many keys); each
+    backward family once per case, however many forward kernels share it."""
+    from flashcupy.problem import AttentionOptions, Problem
+
+    runs = _stub_check_runs(monkeypatch)
+    result = invoke("check")
+    assert result.exit_code == 0, result.output
+    forward = cli.family_variants("fwd", FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin)
+    families = {f.name: f for f in registry.families("fwd")}
+    assert {(r[1], r[2]) for r in runs if r[0] == "fwd"} == {(f.name, v) for f, v in forward}
+    for _, backend, variant, (seqlen_q, seqlen_k), mask_options in (r for r in runs if r[0] == "fwd"):
+        options = dict(mask_options, softcap=cli.CHECK_SOFTCAP) if variant.score_mod else mask_options
+        problem = Problem.sketch(variant.head_dim, variant.dtype, AttentionOptions(**options), seqlen_q,
+                                 cli.CHECK_NHEADS, batch=cli.CHECK_BATCH, seqlen_k=seqlen_k)
+        assert families[backend].variant(problem, FAKE_GPU) == variant
+    direct = sm90_fwd.variant(256, "bfloat16", "causal", keys_per_row=sm90_fwd.BANDED_O_IN_Q_MAX_KEYS + 1)
+    assert not direct.o_in_q and [r[3] for r in runs if r[2] == direct] == list(cli.CHECK_LONG_ROWS)
+    backward = [(r[1], r[2], r[3]) for r in runs if r[0] == "bwd"]
+    assert len(backward) == len(set(backward)) > 0
+    total = len(runs)
+    assert f"check: {total} of {total} cases pass" in result.stdout
+
+
+def test_check_fails_a_kernel_that_none_of_its_lengths_selects(cache, fake_gpu, monkeypatch):
+    _stub_check_runs(monkeypatch)
+    monkeypatch.setattr(cli, "CHECK_LONG_ROWS", ())
+    result = invoke("check", "--head-dims", "256")
+    assert result.exit_code == 1
+    unreached = [line for line in result.stdout.splitlines() if "none of the check's lengths" in line]
+    # d = 256: 2 dtypes x (causal, local) x score mods off/on
+    assert len(unreached) == 8 and all(line.endswith("FAIL") and ("mask=causal" in line or "mask=local" in line)
+                                       for line in unreached)
+
+
 # ----------------------------------------------------------------------------------------------
 # On the GPU
 # ----------------------------------------------------------------------------------------------
