@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .validation import MAX_ROWS
+
 SCHEMA = "flashcupy-bench/1"
 
 MODES = ("fwd", "bwd", "fwdbwd")
@@ -130,7 +132,8 @@ class BenchShape:
 
 
 def parse_seqlen(text: str) -> int:
-    """'512' -> 512, '1k' / '16K' -> 1024 / 16384. Raises ValueError unless a positive integer."""
+    """'512' -> 512, '1k' / '16K' -> 1024 / 16384. Raises ValueError unless a positive integer below
+    the kernels' row bound (validation.MAX_ROWS)."""
     s = str(text).strip().lower()
     factor = 1
     if s.endswith("k"):
@@ -140,6 +143,8 @@ def parse_seqlen(text: str) -> int:
     value = int(s) * factor
     if value <= 0:
         raise ValueError(f"sequence length must be positive, got {text!r}")
+    if value >= MAX_ROWS:
+        raise ValueError(f"sequence length {text!r} is not below 2**30, the kernels' row bound")
     return value
 
 
@@ -765,8 +770,10 @@ def require_matplotlib():
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
+        from .device import install_hint
+
         raise MissingDependencyError("plotting needs matplotlib: pip install matplotlib "
-                                     "(or pip install 'flashcupy[plot]')") from exc
+                                     f"(or {install_hint('plot')})") from exc
 
 
 def plot_results(results, path) -> None:

@@ -17,6 +17,11 @@ CUDA_ERROR_NO_DEVICE = 100  # cudaErrorNoDevice
 EXTRAS = {12: "cuda12", 13: "cuda13"}  # CUDA major -> the extra that installs its CuPy and NVRTC
 
 
+def install_hint(*extras: str) -> str:
+    """How to install the package's extras, as the README installs it: from a checkout."""
+    return " or ".join(f'pip install ".[{e}]"' for e in extras) + " in the flashcupy checkout"
+
+
 class NoGPUError(RuntimeError):
     """No usable CUDA device or driver."""
 
@@ -149,7 +154,7 @@ def no_gpu_reason(stack: CudaStack | None = None) -> str | None:
     stack = probe_cuda() if stack is None else stack
     if stack.cupy_version is None:
         return (f"CuPy does not import ({stack.cupy_error}); install flashcupy with the extra for the "
-                "driver's CUDA major: pip install 'flashcupy[cuda12]' or 'flashcupy[cuda13]'")
+                f"driver's CUDA major: {install_hint(*EXTRAS.values())}")
     if stack.libcuda_error is not None:
         return f"no NVIDIA driver: {LIBCUDA} cannot be loaded ({stack.libcuda_error})"
     if stack.device_count:
@@ -162,7 +167,7 @@ def no_gpu_reason(stack: CudaStack | None = None) -> str | None:
             stack.device_count is None and 0 < driver_major < runtime_major):
         if driver_major in EXTRAS and driver_major < runtime_major:
             advice = (f"update the driver, or use CuPy for CUDA {driver_major}: pip uninstall "
-                      f"cupy-cuda{runtime_major}x, then pip install 'flashcupy[{EXTRAS[driver_major]}]'")
+                      f"cupy-cuda{runtime_major}x, then {install_hint(EXTRAS[driver_major])}")
         else:
             advice = f"update the driver to one for CUDA {max(min(EXTRAS), runtime_major)} or newer"
         return (f"NVIDIA driver too old: {driver} supports {_cuda(stack.driver_version)}, {cupy} is built "

@@ -279,8 +279,10 @@ def section_heads(problem, mask: str) -> int:
 def _bindings_missing() -> str | None:
     """Why the tensor maps cannot be encoded here (cuda-bindings not installed), or None."""
     if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
-        return ("needs NVIDIA's cuda-bindings for its tensor maps (pip install 'flashcupy[cuda12]' or "
-                "'flashcupy[cuda13]', the driver's CUDA major)")
+        from .device import EXTRAS, install_hint
+
+        return (f"needs NVIDIA's cuda-bindings for its tensor maps ({install_hint(*EXTRAS.values())}, "
+                "the extra of the driver's CUDA major)")
     return None
 
 

@@ -69,6 +69,8 @@ def test_main_is_the_console_entry():
     (["--seqlens=-1k"], "e.g. 512,1k,2k"),
     (["--seqlens", "1.5k"], "e.g. 512,1k,2k"),
     (["--seqlens", ","], "at least one"),
+    (["--seqlens", "512,1048576k"], "below 2**30"),
+    (["--decode", "--kv-lens", "2000000000"], "below 2**30"),
     (["--peers", "naive,foo"], "sdpa_flash"),
     (["--peers", "none,naive"], "cannot be combined"),
     (["--dtype", "fp32"], "bf16, fp16"),
@@ -137,12 +139,12 @@ def test_no_driver_simulated(monkeypatch, command):
                       runtime_version=13000, runtime_status=device.CUDA_ERROR_INSUFFICIENT_DRIVER,
                       runtime_error="cudaErrorInsufficientDriver: CUDA driver version is insufficient"),
      ["NVIDIA driver too old", "550.54.15 supports CUDA 12.4", "CuPy 14.2.0 is built for CUDA 13.0",
-      "pip uninstall cupy-cuda13x", "flashcupy[cuda12]", "update the driver"]),
+      "pip uninstall cupy-cuda13x", 'pip install ".[cuda12]"', "update the driver"]),
     (device.CudaStack(cupy_version="14.2.0", driver_version=11040, runtime_version=12090,
                       runtime_status=device.CUDA_ERROR_INSUFFICIENT_DRIVER, runtime_error="insufficient"),
      ["NVIDIA driver too old", "supports CUDA 11.4", "built for CUDA 12.9", "update the driver to one for CUDA 12"]),
     (device.CudaStack(cupy_error="ModuleNotFoundError: No module named 'cupy'"),
-     ["CuPy does not import", "flashcupy[cuda12]", "flashcupy[cuda13]"]),
+     ["CuPy does not import", 'pip install ".[cuda12]"', 'pip install ".[cuda13]"']),
 ], ids=["no-device", "devices-hidden", "driver-older-than-cupy", "driver-older-than-cuda12", "no-cupy"])
 def test_no_gpu_reasons(monkeypatch, stack, phrases):
     simulate(monkeypatch, stack)
@@ -178,12 +180,12 @@ def test_no_gpu_real(command):
 
 
 @pytest.mark.parametrize("text, value", [("512", 512), ("1k", 1024), ("16K", 16384), (" 2k ", 2048),
-                                         ("257", 257)])
+                                         ("257", 257), ("1048575k", 2**30 - 1024)])
 def test_parse_seqlen(text, value):
     assert bench.parse_seqlen(text) == value
 
 
-@pytest.mark.parametrize("text", ["0", "0k", "-512", "1.5k", "k", "", "2m"])
+@pytest.mark.parametrize("text", ["0", "0k", "-512", "1.5k", "k", "", "2m", "1048576k", str(2**40)])
 def test_parse_seqlen_rejects(text):
     with pytest.raises(ValueError):
         bench.parse_seqlen(text)

@@ -18,7 +18,7 @@ def test_a_counted_device_is_no_reason():
 def test_missing_cupy_comes_first():
     reason = no_gpu_reason(CudaStack(cupy_error="ModuleNotFoundError: No module named 'cupy'"))
     assert reason.startswith("CuPy does not import (ModuleNotFoundError")
-    assert "pip install 'flashcupy[cuda12]' or 'flashcupy[cuda13]'" in reason
+    assert 'pip install ".[cuda12]" or pip install ".[cuda13]" in the flashcupy checkout' in reason
 
 
 def test_no_driver_library_is_no_driver():
@@ -31,7 +31,7 @@ def test_no_driver_library_is_no_driver():
 
 @pytest.mark.parametrize("driver, runtime, advice", [
     (12040, 13000, "update the driver, or use CuPy for CUDA 12: pip uninstall cupy-cuda13x, then pip install "
-                   "'flashcupy[cuda12]'"),
+                   '".[cuda12]" in the flashcupy checkout'),
     (11040, 12090, "update the driver to one for CUDA 12 or newer"),
     (11080, 13000, "update the driver to one for CUDA 13 or newer"),
     (0, 12090, "update the driver to one for CUDA 12 or newer"),
