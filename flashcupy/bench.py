@@ -184,12 +184,14 @@ def sweep_shapes(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causal=(F
 
 
 def run_sweep(shapes, impls=("flashcupy",) + DEFAULT_PEERS, repeats=DEFAULT_REPEATS,
-              warmup=DEFAULT_WARMUP) -> list[dict]:
+              warmup=DEFAULT_WARMUP, records: list | None = None) -> list[dict]:
     """Benchmark every implementation on every shape; one record per pair, in order.
 
-    `shapes` may be any iterable (the CLI passes a click progress bar over the list).
+    `shapes` may be any iterable (the CLI passes a click progress bar over the list). Each shape's
+    records join `records` (a new list if None) as soon as the shape is done, so that a caller's
+    list keeps the finished shapes when the sweep is interrupted.
     """
-    records = []
+    records = [] if records is None else records
     for shape in shapes:
         records.extend(bench_shape(shape, impls, repeats, warmup))
     return records

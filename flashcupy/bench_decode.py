@@ -252,15 +252,19 @@ def new_record(case: DecodeCase, impl: str, layout: str = "contiguous", page_siz
 
 def run_sweep(cases, impls=IMPLS, layouts=LAYOUTS, page_size=DEFAULT_PAGE_SIZE, repeats=DEFAULT_REPEATS,
               peak_tbs: float | None = None, clock: Clock | None = None,
-              warmup: int = bench.DEFAULT_WARMUP) -> list[dict]:
+              warmup: int = bench.DEFAULT_WARMUP, records: list | None = None) -> list[dict]:
     """Records of every case (any iterable: the CLI passes a progress bar), each case's cache made
-    once for all its implementations and layouts and freed after."""
+    once for all its implementations and layouts and freed after. Each case's records join
+    `records` (a new list if None) when it is done, with their derived figures also when the sweep
+    is interrupted."""
     clock = clock or Clock()
-    records = []
-    for case in cases:
-        with clock.stream:
-            records.extend(bench_case(case, impls, layouts, page_size, repeats, clock, warmup))
-    fill_derived(records, peak_tbs)
+    records = [] if records is None else records
+    try:
+        for case in cases:
+            with clock.stream:
+                records.extend(bench_case(case, impls, layouts, page_size, repeats, clock, warmup))
+    finally:
+        fill_derived(records, peak_tbs)
     return records
 
 

@@ -21,8 +21,10 @@ from flashcupy import bench, bench_decode, build, configs, device, kvcache, regi
 from flashcupy.problem import AttentionOptions, Problem
 
 NO_GPU_EXIT = 3  # 1 is a failure, 2 click's usage error
+INTERRUPTED_EXIT = 130  # as a shell reports a command stopped by Ctrl-C
 EXIT_STATUSES = (f"Exit status: 0 success; 1 a check, compile or other failure; 2 bad usage; {NO_GPU_EXIT} no "
-                 "usable CUDA GPU (no CuPy, no NVIDIA driver, a driver too old for CuPy's CUDA, or no device).")
+                 "usable CUDA GPU (no CuPy, no NVIDIA driver, a driver too old for CuPy's CUDA, or no device); "
+                 f"{INTERRUPTED_EXIT} a bench stopped by Ctrl-C, its finished cases kept in the table and the JSON.")
 
 # check: ||out - ref||_F / ||ref||_F bounds by dtype, forward and gradients, and the LSE bound
 # (absolute, natural log): the LSE comes from float32 sums of exactly rounded inputs.
@@ -340,28 +342,47 @@ def bench_command(ctx, seqlens, head_dims, causal, variants, dtypes, modes, tota
                    f"{metadata['cuda_driver_version']}, CuPy {metadata['cupy_version']}, NVRTC "
                    f"{metadata['nvrtc_version']}, torch {metadata['torch_version'] or '-'}, "
                    f"commit {metadata['git_commit'] or '-'}")
+    records = []
     if quiet:
-        records = bench.run_sweep(shapes, impls, repeats, warmup)
+        interrupted = _until_interrupted(lambda: bench.run_sweep(shapes, impls, repeats, warmup, records))
     else:
         with click.progressbar(shapes, label="bench", file=sys.stderr,
                                item_show_func=lambda s: str(s) if s else None) as bar:
-            records = bench.run_sweep(bar, impls, repeats, warmup)
+            interrupted = _until_interrupted(lambda: bench.run_sweep(bar, impls, repeats, warmup, records))
         click.echo(bench.format_table(records))
     _record_process_kernels(info)
 
     config = {"seqlens": list(seqlens), "head_dims": list(head_dims), "causal": list(_OFF_ON[causal]),
               "variants": list(variants), "window": bench.DEFAULT_WINDOW, "gqa_group": bench.GQA_GROUP,
               "dtypes": list(dtypes), "modes": list(modes), "total_tokens": total_tokens, "hidden": hidden,
-              "impls": list(impls), "repeats": repeats, "warmup": warmup}
+              "impls": list(impls), "repeats": repeats, "warmup": warmup, "interrupted": interrupted}
     document = bench.results_document(records, metadata, config)
     if json_path:
         bench.write_json(document, json_path)
         if not quiet:
             click.echo(f"wrote {json_path}", err=True)
-    if plot_path:
+    if plot_path and records:
         bench.plot_results(document, plot_path)
         if not quiet:
             click.echo(f"wrote {plot_path}", err=True)
+    _exit_if_interrupted(ctx, interrupted, json_path)
+
+
+def _until_interrupted(sweep) -> bool:
+    """Run a sweep that adds each finished case to its records; True if Ctrl-C stopped it (the
+    finished cases stay in the records, for the table and the JSON)."""
+    try:
+        sweep()
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+def _exit_if_interrupted(ctx, interrupted: bool, json_path) -> None:
+    if interrupted:
+        kept = f" (in {json_path})" if json_path else ""
+        click.echo(f"flashcupy: bench interrupted; the cases finished before it are kept{kept}", err=True)
+        ctx.exit(INTERRUPTED_EXIT)
 
 
 def _bench_decode(ctx, head_dims, dtypes, peers, repeats, warmup, json_path, quiet, batches, kv_lens, heads, layouts,
@@ -382,6 +403,7 @@ def _bench_decode(ctx, head_dims, dtypes, peers, repeats, warmup, json_path, qui
             peers = ()
     impls = ("flashcupy",) + tuple(peers)
     cases = bench_decode.sweep_cases(batches, kv_lens, heads, dtypes, head_dims)
+    records = []
     metadata = bench.collect_metadata()
     clock = bench_decode.Clock()
     limits = clock.bandwidth_tbs()
@@ -394,20 +416,24 @@ def _bench_decode(ctx, head_dims, dtypes, peers, repeats, warmup, json_path, qui
                    f"{metadata['nvrtc_version']}, commit {metadata['git_commit'] or '-'}")
         with click.progressbar(cases, label="bench --decode", file=sys.stderr,
                                item_show_func=lambda c: str(c) if c else None) as bar:
-            records = bench_decode.run_sweep(bar, impls, layouts, page_size, repeats, peak, clock, warmup)
+            interrupted = _until_interrupted(lambda: bench_decode.run_sweep(bar, impls, layouts, page_size, repeats,
+                                                                            peak, clock, warmup, records))
         click.echo(bench_decode.format_table(records, limits))
     else:
-        records = bench_decode.run_sweep(cases, impls, layouts, page_size, repeats, peak, clock, warmup)
+        interrupted = _until_interrupted(lambda: bench_decode.run_sweep(cases, impls, layouts, page_size, repeats,
+                                                                        peak, clock, warmup, records))
     metadata["torch_version"] = getattr(sys.modules.get("torch"), "__version__", None)
     _record_process_kernels(info)
     config = {"sweep": "decode", "batches": list(batches), "kv_lens": list(kv_lens),
               "heads": [list(h) for h in heads], "head_dims": list(head_dims), "dtypes": list(dtypes),
               "layouts": list(layouts), "page_size": page_size, "impls": list(impls), "repeats": repeats,
-              "warmup": warmup, "spin_us": bench_decode.SPIN_US, "flush_bytes": bench_decode.FLUSH_BYTES, **limits}
+              "warmup": warmup, "spin_us": bench_decode.SPIN_US, "flush_bytes": bench_decode.FLUSH_BYTES, **limits,
+              "interrupted": interrupted}
     if json_path:
         bench.write_json(bench.results_document(records, metadata, config, bench_decode.FIELDS), json_path)
         if not quiet:
             click.echo(f"wrote {json_path}", err=True)
+    _exit_if_interrupted(ctx, interrupted, json_path)
 
 
 @main.command("info")

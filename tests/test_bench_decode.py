@@ -3,6 +3,7 @@ the CPU), the clock's kernels (NVRTC) and a tiny sweep on the GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -160,12 +161,12 @@ def test_decode_command_glue(monkeypatch, tmp_path, fake_gpu):
     monkeypatch.setattr(bench_decode, "Clock", FakeClock)
     seen = {}
 
-    def fake_sweep(cases, impls, layouts, page_size, repeats, peak_tbs, clock, warmup):
+    def fake_sweep(cases, impls, layouts, page_size, repeats, peak_tbs, clock, warmup, records):
         cases = list(cases)
         seen.update(cases=cases, impls=impls, layouts=layouts, page_size=page_size, repeats=repeats, peak=peak_tbs,
                     warmup=warmup)
-        records = [{**bench_decode.new_record(c, impl), "warm_us": 10.0, "flushed_us": 12.0, "host_us": 40.0}
-                   for c in cases for impl in impls]
+        records += [{**bench_decode.new_record(c, impl), "warm_us": 10.0, "flushed_us": 12.0, "host_us": 40.0}
+                    for c in cases for impl in impls]
         bench_decode.fill_derived(records, peak_tbs)
         return records
 
@@ -183,7 +184,7 @@ def test_decode_command_glue(monkeypatch, tmp_path, fake_gpu):
     document = json.loads(path.read_text())
     assert document["config"]["sweep"] == "decode" and document["config"]["copy_tbs"] == 4.3
     assert document["fields"] == bench_decode.FIELDS and len(document["results"]) == 6
-    assert document["config"]["warmup"] == 2
+    assert document["config"]["warmup"] == 2 and document["config"]["interrupted"] is False
     # --hbm-peak overrides the device's figure; peers may be narrowed
     result = invoke("bench", "--decode", "--batches", "1", "--kv-lens", "1k", "--heads", "8/2", "--hbm-peak", "3.35",
                     "--peers", "sdpa_cudnn", "-q")
@@ -272,3 +273,41 @@ def test_decode_bench_tiny_gpu(tmp_path):
         assert r["host_us"] > 0 and r["splits"] >= 1
     for r in records:
         assert r["status"] in ("ok", "n/a"), r  # n/a: torch missing
+
+
+def test_an_interrupted_decode_sweep_keeps_its_finished_cases(monkeypatch, tmp_path, fake_gpu):
+    """Ctrl-C during the third case: the first two cases' records, with their derived figures, in
+    the table and the JSON; exit status 130."""
+    from flashcupy import cli
+
+    monkeypatch.setattr(bench, "collect_metadata", lambda: dict(FAKE_METADATA))
+    monkeypatch.setattr(bench, "torch_unavailable_reason", lambda: None)
+    monkeypatch.setattr(bench_decode, "hbm_peak_tbs", lambda device_id=None: 4.8)
+
+    class FakeClock:
+        stream = contextlib.nullcontext()
+
+        def bandwidth_tbs(self):
+            return {"copy_tbs": 4.3, "read_tbs": 4.5}
+
+    monkeypatch.setattr(bench_decode, "Clock", FakeClock)
+    done = []
+
+    def fake_case(case, impls, layouts, page_size, repeats, clock, warmup):
+        if len(done) == 2:
+            raise KeyboardInterrupt
+        done.append(case)
+        return [{**bench_decode.new_record(case, impl), "warm_us": 10.0, "flushed_us": 12.0, "host_us": 40.0}
+                for impl in impls]
+
+    monkeypatch.setattr(bench_decode, "bench_case", fake_case)
+    path = tmp_path / "decode.json"
+    result = invoke("bench", "--decode", "--batches", "1,8,32", "--kv-lens", "1k", "--heads", "32/8",
+                    "--peers", "sdpa_cudnn", "--json", str(path))
+    assert result.exit_code == cli.INTERRUPTED_EXIT, result.output
+    assert "interrupted" in result.stderr and str(path) in result.stderr
+    document = json.loads(path.read_text())
+    assert document["config"]["interrupted"] is True
+    assert sorted({r["batch"] for r in document["results"]}) == [1, 8] and len(document["results"]) == 4
+    assert all(r["flushed_tbs"] for r in document["results"])  # derived after the interruption too
+    assert all(r["speedup"] for r in document["results"] if r["impl"] == "flashcupy")

@@ -353,6 +353,32 @@ def test_plot_from_stored_json(tmp_path):
     assert (tmp_path / "records.png").stat().st_size > 0
 
 
+def test_an_interrupted_bench_keeps_its_finished_shapes(monkeypatch, tmp_path, fake_gpu):
+    """Ctrl-C during the third shape: the table and the JSON hold the first two shapes' records, the
+    JSON says it was interrupted, and the exit status is 130."""
+    monkeypatch.setattr(bench, "collect_metadata", lambda: dict(FAKE_METADATA))
+    done = []
+
+    def fake_bench_shape(shape, impls, repeats, warmup):
+        if len(done) == 2:
+            raise KeyboardInterrupt
+        done.append(shape)
+        records = [{**bench.new_record(shape, impl), "ms": 1.0, "tflops": 100.0} for impl in impls]
+        bench.fill_ratios(records)
+        return records
+
+    monkeypatch.setattr(bench, "bench_shape", fake_bench_shape)
+    json_path = tmp_path / "out.json"
+    result = invoke("bench", "--seqlens", "1k,2k,4k,8k", "--head-dims", "64", "--causal", "off", "--variants",
+                    "plain", "--mode", "fwd", "--peers", "none", "--json", str(json_path))
+    assert result.exit_code == cli.INTERRUPTED_EXIT, result.output
+    assert "bench interrupted" in result.stderr and str(json_path) in result.stderr
+    assert "1k" in result.stdout and "2k" in result.stdout  # the table of what finished
+    document = bench.load_json(json_path)
+    assert document["config"]["interrupted"] is True
+    assert [r["seqlen"] for r in document["results"]] == [1024, 2048]
+
+
 def test_plot_without_matplotlib(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now fails
     with pytest.raises(bench.MissingDependencyError, match="pip install matplotlib"):
@@ -383,7 +409,7 @@ def test_bench_command_glue(monkeypatch, tmp_path, fake_gpu):
         assert "fwd fp16  head dim 128 (16 heads)  " + section in result.stdout
     document = bench.load_json(json_path)
     assert document["config"]["seqlens"] == [1024, 2048] and document["config"]["causal"] == [True]
-    assert document["config"]["impls"] == ["flashcupy", "naive"]
+    assert document["config"]["impls"] == ["flashcupy", "naive"] and document["config"]["interrupted"] is False
     assert document["config"]["variants"] == list(bench.VARIANTS)
     assert len(document["results"]) == 48
     assert {(r["nheads_k"], r["window"]) for r in document["results"]} == {(16, None), (4, None), (16, 1024)}
