@@ -144,7 +144,8 @@ def parse_seqlen(text: str) -> int:
     if value <= 0:
         raise ValueError(f"sequence length must be positive, got {text!r}")
     if value >= MAX_ROWS:
-        raise ValueError(f"sequence length {text!r} is not below 2**30, the kernels' row bound")
+        raise ValueError(f"sequence length {text!r} is not below 2**{MAX_ROWS.bit_length() - 1}, the kernels' "
+                         "row bound")
     return value
 
 

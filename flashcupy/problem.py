@@ -162,10 +162,15 @@ class Problem:
 
     @property
     def keys_per_row(self) -> int:
-        """The most keys one query row sees: seqlen_k, or a local band's width where narrower."""
+        """A bound on the keys one query row sees: seqlen_k, or a local band's width where narrower,
+        or under a top-left band seqlen_q + right (the last row, seqlen_q - 1, sees up to key
+        seqlen_q - 1 + right)."""
+        keys = self.max_seqlen_k
         if self.band.mask == "local":
-            return min(self.max_seqlen_k, self.band.left + self.band.right + 1)
-        return self.max_seqlen_k
+            keys = min(keys, self.band.left + self.band.right + 1)
+            if not self.band.bottom_right:
+                keys = min(keys, self.max_seqlen_q + self.band.right)
+        return keys
 
     @property
     def is_varlen(self) -> bool:

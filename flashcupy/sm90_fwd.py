@@ -77,19 +77,24 @@ def o_buffer(head_dim: int, tile: Sm90FwdTile, in_q: bool = True) -> str:
     return "q" if slots == 1 and in_q else ""
 
 
-# Keys per row up to which a banded kernel without room for O's own buffer (d = 192, 256) stages O
-# in the Q buffer, as the kernels without a band always do: no 4-byte stores in the epilogue, but
-# the next tile's Q waits for O's stores to read the buffer. H100, d = 256: 1.05 / 1.02 at 512 / 1k
-# causal and 1.01-1.11 under a 1024-key window, 0.97-0.99 causal from 2k (docs/PERF_NOTES.md).
+# Keys per row up to which the banded kernels at d = 256 (no room for O's own buffer) stage O in the
+# Q buffer, as the kernels without a band always do: no 4-byte stores in the epilogue, but the next
+# tile's Q waits for O's stores to read the buffer. H100, d = 256: 1.03-1.05 / 1.00-1.02 at 512 / 1k
+# causal and 1.01-1.11 under a 1024-key window, 0.97-1.01 causal from 2k; d = 192 read level (0.99-
+# 1.02) and keeps one banded instance (docs/PERF_NOTES.md).
 BANDED_O_IN_Q_MAX_KEYS = 1280
+BANDED_O_IN_Q_HEAD_DIMS = (256,)
 
 
-def stages_o_in_q(head_dim: int, mask: str, keys_per_row: int) -> bool:
+def stages_o_in_q(head_dim: int, mask: str, keys_per_row: int | None = None) -> bool:
     """Whether a variant stages O in its Q buffer: where the tile has no room for O's own buffer,
-    always without a band, and under a band when a row sees at most BANDED_O_IN_Q_MAX_KEYS keys."""
+    always without a band; under a band at BANDED_O_IN_Q_HEAD_DIMS when a row sees at most
+    BANDED_O_IN_Q_MAX_KEYS keys (None: not staged, as varlen calls, which store O's fragments)."""
     if o_buffer(head_dim, _TILES[head_dim]) != "q":
         return False
-    return mask == "none" or keys_per_row <= BANDED_O_IN_Q_MAX_KEYS
+    if mask == "none":
+        return True
+    return head_dim in BANDED_O_IN_Q_HEAD_DIMS and keys_per_row is not None and keys_per_row <= BANDED_O_IN_Q_MAX_KEYS
 
 
 def smem_bytes(head_dim: int, tile: Sm90FwdTile) -> int:
@@ -146,9 +151,10 @@ class Sm90FwdVariant:
                 f"{' o-in-q' if self.o_in_q else ''}")
 
 
-def variant(head_dim: int, dtype: str, mask: str, score_mod: bool = False, keys_per_row: int = 0) -> Sm90FwdVariant:
+def variant(head_dim: int, dtype: str, mask: str, score_mod: bool = False,
+            keys_per_row: int | None = None) -> Sm90FwdVariant:
     """The kernel for a head dim, dtype, mask and score mods; `keys_per_row`, the most keys a query
-    row sees, picks where O is staged (stages_o_in_q)."""
+    row may see (None: O not staged under a band), picks where O is staged (stages_o_in_q)."""
     mask_flags(mask)  # validates
     return Sm90FwdVariant(head_dim, _TILES[head_dim], mask, dtype, bool(score_mod),
                           stages_o_in_q(head_dim, mask, keys_per_row))
@@ -322,20 +328,21 @@ class Sm90Forward(HopperFamily):
     summary = "FlashAttention-3 forward: TMA, wgmma, producer/consumer warpgroups (cuda_src/fwd_sm90.cu)"
 
     def unsupported(self, problem, device):
-        return hopper_unsupported(problem, device, HEAD_DIMS,
-                                  lambda: variant(problem.head_dim, problem.dtype, problem.band.mask).smem_bytes)
+        return hopper_unsupported(problem, device, HEAD_DIMS, lambda: self.variant(problem, device).smem_bytes)
 
     def variant(self, problem, device) -> Sm90FwdVariant:
-        return variant(problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod, problem.keys_per_row)
+        # varlen stores O's fragments with either instance (a box would write over the next sequence's
+        # rows), so it takes the one without O in the Q buffer under a band
+        keys = None if problem.is_varlen else problem.keys_per_row
+        return variant(problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod, keys)
 
     def variants(self, capability, smem_optin=None, head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"),
                  masks=("none", "causal", "local"), score_mods=(False, True), deterministic=(False, True)) -> list:
         if not self.runs_on(capability):
             return []
-        # a banded variant with O in the Q buffer for short rows, where the tile has it (stages_o_in_q)
-        keys = {"none": (0,), "causal": (0, BANDED_O_IN_Q_MAX_KEYS + 1), "local": (0, BANDED_O_IN_Q_MAX_KEYS + 1)}
-        found = [variant(d, dt, m, mod, n) for d in head_dims if d in HEAD_DIMS for dt in dtypes for m in masks
-                 for mod in score_mods for n in keys[m]]
+        # each banded case also with O in the Q buffer where stages_o_in_q allows it (short rows)
+        found = [variant(d, dt, m, mod, keys) for d in head_dims if d in HEAD_DIMS for dt in dtypes for m in masks
+                 for mod in score_mods for keys in (None, 0)]
         return list(dict.fromkeys(found))
 
     def run(self, problem, device, q, k, v, out, lse) -> None:

@@ -277,7 +277,7 @@ def test_decode_bench_tiny_gpu(tmp_path):
 
 def test_an_interrupted_decode_sweep_keeps_its_finished_cases(monkeypatch, tmp_path, fake_gpu):
     """Ctrl-C during the third case: the first two cases' records, with their derived figures, in
-    the table and the JSON; exit status 130."""
+    the JSON; exit status 130."""
     from flashcupy import cli
 
     monkeypatch.setattr(bench, "collect_metadata", lambda: dict(FAKE_METADATA))

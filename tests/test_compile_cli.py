@@ -12,10 +12,10 @@ from flashcupy import build, cli, configs, device, registry, sm80, sm90_bwd, sm9
 from flashcupy.device import DeviceInfo
 from cli_helpers import FAKE_GPU, invoke, on_gpu
 
-# per Hopper device: fwd sm90 (4 head dims x 2 dtypes x 3 masks x score mods off/on, and at d=192, 256
-# the banded ones again with O in the Q buffer: 2 x 2 x 2 x 2) and sm80 (6 head dims ...), bwd sm90
-# (d=64, 128 with every option) and sm80 (144 main + 36 helpers)
-FWD_KERNELS = 48 + 16 + 72
+# per Hopper device: fwd sm90 (4 head dims x 2 dtypes x 3 masks x score mods off/on, and at d=256 the
+# banded ones again with O in the Q buffer: 2 x 2 x 2) and sm80 (6 head dims ...), bwd sm90 (d=64,
+# 128 with every option) and sm80 (144 main + 36 helpers)
+FWD_KERNELS = 48 + 8 + 72
 BWD_KERNELS = 76 + 180  # sm90 (d=64, 128, 256 x 2 dtypes x 3 masks x deterministic, score mods; the causal
 # d=128 step of short problems x 2 dtypes x deterministic), sm80 main + helpers
 # flash_attn_with_kvcache: decode and prefill kernels (6 head dims x 2 dtypes x 3 masks x score mods), the
@@ -371,9 +371,12 @@ def test_check_runs_each_forward_kernel_on_lengths_that_select_it(cache, fake_gp
         problem = Problem.sketch(variant.head_dim, variant.dtype, AttentionOptions(**options), seqlen_q,
                                  cli.CHECK_NHEADS, batch=cli.CHECK_BATCH, seqlen_k=seqlen_k)
         assert families[backend].variant(problem, FAKE_GPU) == variant
-    direct = sm90_fwd.variant(256, "bfloat16", "causal", keys_per_row=sm90_fwd.BANDED_O_IN_Q_MAX_KEYS + 1)
-    assert not direct.o_in_q and [r[3] for r in runs if r[2] == direct] == list(cli.CHECK_LONG_ROWS)
-    backward = [(r[1], r[2], r[3]) for r in runs if r[0] == "bwd"]
+    for mask in ("causal", "local"):
+        direct = sm90_fwd.variant(256, "bfloat16", mask, keys_per_row=sm90_fwd.BANDED_O_IN_Q_MAX_KEYS + 1)
+        assert not direct.o_in_q
+        assert [r[3] for r in runs if r[0] == "fwd" and r[2] == direct] == list(cli.CHECK_LONG_ROWS)
+    # each backward family once per case (head dim, dtype, mask, score mods) and lengths
+    backward = [(r[1], r[2].head_dim, r[2].dtype, r[2].mask, r[2].score_mod, r[3]) for r in runs if r[0] == "bwd"]
     assert len(backward) == len(set(backward)) > 0
     total = len(runs)
     assert f"check: {total} of {total} cases pass" in result.stdout

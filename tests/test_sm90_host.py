@@ -33,12 +33,15 @@ def test_args_layout():
 def test_o_goes_through_shared_memory_where_it_fits():
     """O's tile is staged for TMA stores in a buffer of its own at d = 64 and 128; d = 192 and 256
     have no room left for one and stage it in their one Q buffer: always without a band, and under
-    a band when a row sees at most BANDED_O_IN_Q_MAX_KEYS keys (else each thread stores its part)."""
+    a band at d = 256 when a row sees at most BANDED_O_IN_Q_MAX_KEYS keys (else each thread stores
+    its part; so do varlen calls, which pass no key count)."""
     short, long = sm90_fwd.BANDED_O_IN_Q_MAX_KEYS, sm90_fwd.BANDED_O_IN_Q_MAX_KEYS + 1
     for mask, keys, expected in (("none", long, {64: "own", 128: "own", 192: "q", 256: "q"}),
-                                 ("causal", short, {64: "own", 128: "own", 192: "q", 256: "q"}),
+                                 ("none", None, {64: "own", 128: "own", 192: "q", 256: "q"}),
+                                 ("causal", short, {64: "own", 128: "own", 192: "", 256: "q"}),
                                  ("causal", long, {64: "own", 128: "own", 192: "", 256: ""}),
-                                 ("local", short, {64: "own", 128: "own", 192: "q", 256: "q"}),
+                                 ("causal", None, {64: "own", 128: "own", 192: "", 256: ""}),
+                                 ("local", short, {64: "own", 128: "own", 192: "", 256: "q"}),
                                  ("local", long, {64: "own", 128: "own", 192: "", 256: ""})):
         variants = {d: sm90_fwd.variant(d, "bfloat16", mask, keys_per_row=keys) for d in sm90_fwd.HEAD_DIMS}
         assert {d: sm90_fwd.o_buffer(d, v.tile, v.o_in_q) for d, v in variants.items()} == expected
@@ -48,19 +51,31 @@ def test_o_goes_through_shared_memory_where_it_fits():
         assert sm90_fwd.variant(d, "bfloat16", "causal").smem_bytes <= sm90_fwd.MAX_SMEM
 
 
-@pytest.mark.parametrize("causal, window, seqlen_q, seqlen_k, keys", [
-    (False, (-1, -1), 300, 5000, 5000),
-    (True, (-1, -1), 9000, 3000, 3000),       # causal: every key for the last rows
-    (False, (100, 30), 5000, 5000, 131),      # a band narrower than the sequence
-    (False, (-1, 30), 100, 5000, 5000),       # one side unbounded
-    (False, (4000, 4000), 100, 300, 300),     # a band wider than the keys
+@pytest.mark.parametrize("causal, window, alignment, seqlen_q, seqlen_k, keys", [
+    (False, (-1, -1), "bottom_right", 300, 5000, 5000),
+    (True, (-1, -1), "bottom_right", 9000, 3000, 3000),   # causal: every key for the last rows
+    (False, (100, 30), "bottom_right", 5000, 5000, 131),  # a band narrower than the sequence
+    (False, (-1, 30), "bottom_right", 100, 5000, 5000),   # one side unbounded
+    (False, (4000, 4000), "bottom_right", 100, 300, 300),  # a band wider than the keys
+    (True, (-1, -1), "top_left", 100, 5000, 100),         # top-left: row 99 sees keys 0..99
+    (False, (1400, 16), "top_left", 129, 1600, 145),
+    (False, (1400, 16), "bottom_right", 129, 1600, 1417),
 ])
-def test_keys_per_row(causal, window, seqlen_q, seqlen_k, keys):
-    options = AttentionOptions(causal=causal, window_size=window)
-    p = Problem.sketch(128, "bfloat16", options, seqlen=seqlen_q)
-    p = dataclasses.replace(p, max_seqlen_k=seqlen_k,
-                            band=plan_band(causal, window, "bottom_right", seqlen_q, seqlen_k))
+def test_keys_per_row(causal, window, alignment, seqlen_q, seqlen_k, keys):
+    options = AttentionOptions(causal=causal, window_size=window, alignment=alignment)
+    p = Problem.sketch(128, "bfloat16", options, seqlen=seqlen_q, seqlen_k=seqlen_k)
     assert p.keys_per_row == keys
+    # the kernels' bound holds on the reference's own mask: no row sees more keys
+    rows = np.arange(seqlen_q)[:, None]
+    cols = np.arange(seqlen_k)[None, :]
+    offset = seqlen_k - seqlen_q if alignment == "bottom_right" else 0
+    left, right = window if not causal else (window[0], 0)
+    seen = np.ones((seqlen_q, seqlen_k), bool)
+    if left >= 0:
+        seen &= cols >= rows + offset - left
+    if right >= 0:
+        seen &= cols <= rows + offset + right
+    assert seen.sum(axis=1).max() <= keys
 
 
 @pytest.mark.parametrize("batch, seqlen, nheads, head_dim, causal, expected", [
