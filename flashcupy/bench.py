@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .validation import MAX_ROWS
+from .validation import MAX_ROWS, MAX_ROWS_TEXT
 
 SCHEMA = "flashcupy-bench/1"
 
@@ -144,8 +144,7 @@ def parse_seqlen(text: str) -> int:
     if value <= 0:
         raise ValueError(f"sequence length must be positive, got {text!r}")
     if value >= MAX_ROWS:
-        raise ValueError(f"sequence length {text!r} is not below 2**{MAX_ROWS.bit_length() - 1}, the kernels' "
-                         "row bound")
+        raise ValueError(f"sequence length {text!r} is not below {MAX_ROWS_TEXT}, the kernels' row bound")
     return value
 
 

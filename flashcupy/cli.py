@@ -678,24 +678,27 @@ def _finite_where(x, ref) -> bool:
     return bool(np.isfinite(x)[np.isfinite(ref)].all())
 
 
+def _scalar_options(variant, mask_options: dict) -> dict:
+    """A variant's case as options without arrays: its mask case, and the softcap of the score-mod
+    kernels (which are also checked with ALiBi slopes: _case_options)."""
+    return {**mask_options, "softcap": CHECK_SOFTCAP} if variant.score_mod else dict(mask_options)
+
+
 def _case_options(variant, mask_options: dict) -> tuple[dict, dict]:
     """Keyword options a variant is checked with, for flashcupy and for the reference: its mask
     case, and for the score-mod kernels a softcap with ALiBi slopes on top."""
     import cupy
 
-    options = dict(mask_options)
+    options = _scalar_options(variant, mask_options)
     if not variant.score_mod:
         return options, options
     slopes = np.linspace(0.05, 0.2, CHECK_NHEADS).astype(np.float32)
-    options["softcap"] = CHECK_SOFTCAP
     return {**options, "alibi_slopes": cupy.asarray(slopes)}, {**options, "alibi_slopes": slopes.astype(np.float64)}
 
 
 def _case_problem(variant, mask_options: dict, seqlen_q: int = 4096, seqlen_k: int | None = None) -> Problem:
     """The check's problem for a variant's case (the softcap stands for both score mods)."""
-    options = dict(mask_options)
-    if variant.score_mod:
-        options["softcap"] = CHECK_SOFTCAP
+    options = _scalar_options(variant, mask_options)
     return Problem.sketch(variant.head_dim, variant.dtype, AttentionOptions(**options), seqlen_q, CHECK_NHEADS,
                           batch=CHECK_BATCH, seqlen_k=seqlen_k)
 

@@ -419,7 +419,7 @@ def _index_array(value, name: str, batch: int, device: int, check_values: bool):
     check_values asks for it (a device-to-host copy, which waits for the stream)."""
     import cupy
 
-    from .validation import MAX_ROWS, ArraySpec, check_index_array
+    from .validation import MAX_ROWS, MAX_ROWS_TEXT, ArraySpec, check_index_array
 
     if value is None:
         return None, None
@@ -427,7 +427,7 @@ def _index_array(value, name: str, batch: int, device: int, check_values: bool):
         if name != "cache_seqlens":
             raise TypeError(f"{name} must be an int32 array of shape (batch,); got an int")
         if not 0 <= value < MAX_ROWS:
-            raise ValueError(f"cache_seqlens must lie in [0, 2**30); got {value}")
+            raise ValueError(f"cache_seqlens must lie in [0, {MAX_ROWS_TEXT}); got {value}")
         host = np.full(batch, int(value), np.int32)
         return cupy.asarray(host), host
     if isinstance(value, np.ndarray):

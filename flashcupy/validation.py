@@ -49,6 +49,7 @@ class ArraySpec:
 
 # The kernels' row arithmetic is 32-bit, with room for a block's rows past a sequence's end.
 MAX_ROWS = 2**30
+MAX_ROWS_TEXT = f"2**{MAX_ROWS.bit_length() - 1}"  # as the error messages write it
 
 
 class _AtAddress:
@@ -313,7 +314,7 @@ def check_cu_seqlens(cu_seqlens_q: ArraySpec, cu_seqlens_k: ArraySpec, max_seqle
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
                 or not 0 <= value < MAX_ROWS:
-            raise ValueError(f"{name} must be an int in [0, 2**30); got {value!r}")
+            raise ValueError(f"{name} must be an int in [0, {MAX_ROWS_TEXT}); got {value!r}")
     return cu_seqlens_q.shape[0] - 1
 
 
@@ -402,7 +403,7 @@ def check_kvcache_inputs(q: ArraySpec, k_cache: ArraySpec, v_cache: ArraySpec, k
                              f"block_table {block_table.shape} and k_cache {k_cache.shape}")
     capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
     if capacity >= MAX_ROWS:
-        raise ValueError(f"the cache holds {capacity} rows per sequence; the kernels take fewer than 2**30")
+        raise ValueError(f"the cache holds {capacity} rows per sequence; the kernels take fewer than {MAX_ROWS_TEXT}")
     # the kv-cache kernels' grids have sequences on z and heads on y
     if batch > MAX_GRID_YZ or nheads > MAX_GRID_YZ:
         raise ValueError(f"q's batch ({batch}) and nheads ({nheads}) must be at most {MAX_GRID_YZ} each; split the "
