@@ -173,7 +173,8 @@ struct DecodeBlock {
         batch = blockIdx.z;
         seqlen_q = p.max_seqlen_q;
         leftpad = p.cache_leftpad ? p.cache_leftpad[batch] : 0;
-        seqlen_k = p.cache_seqlens[batch] + p.seqlen_new - leftpad;  // keys, the new ones included
+        // keys, the new ones included; without lengths (flash_attn_func's k, v) every sequence is full
+        seqlen_k = (p.cache_seqlens ? p.cache_seqlens[batch] : p.max_seqlen_k) + p.seqlen_new - leftpad;
         rows_total = seqlen_q * pack;
         row0 = m_block * kBlockM;
         rows_valid = max(0, min(kBlockM, rows_total - row0));

@@ -90,7 +90,7 @@ struct DecodeParams : FwdParams {  // q, k, v: the queries (rotated, with rotary
     u16* q_rotated;
     const u16* rotary_cos;       // (seqlen_ro, rotary_dim / 2) in the input dtype; null: no rotary
     const u16* rotary_sin;
-    const int* cache_seqlens;    // (batch) cache rows before the new keys, counted from row 0
+    const int* cache_seqlens;    // (batch) cache rows before the new keys, counted from row 0; null: max_seqlen_k
     const int* cache_batch_idx;  // (batch) cache entry of each sequence; null: its own
     const int* cache_leftpad;    // (batch) first key row; null: 0
     const int* block_table;      // (batch, max_blocks) block indices of a paged cache; null: contiguous

@@ -34,6 +34,8 @@ LSE_TOL = 2e-3
 CHECK_SEQLENS = ((257, 300), (300, 257), (512, 512))  # ragged both ways, then equal (q, k)
 # kernels that the dispatcher picks only for rows that see many keys are checked on these instead
 CHECK_LONG_ROWS = ((129, 1600),)
+# and kernels picked for a few query rows (the decode forward) on these
+CHECK_FEW_QUERIES = ((1, 300), (7, 1601))
 CHECK_BATCH, CHECK_NHEADS = 2, 3
 CHECK_SOFTCAP = 8.0  # score-mod kernels: softcap and ALiBi slopes, where they change the result
 OFFLINE_ARCHS = ("sm_80", "sm_90a")  # `compile --arch`: the NVRTC targets of the kernel families
@@ -481,10 +483,11 @@ def info_command(ctx, verbose):
     kv = kvcache_variants(info.capability, info.smem_per_block_optin)
     cached = _cached_names(info)
     counts = [sum(v.name_expression in cached for v in vs) for vs in (forward, backward, kv)]
-    total = len(forward) + len(backward) + len(kv)
-    click.echo(f"{'compiled on disk:':<22}{sum(counts)} of {total} flashcupy kernels this GPU can use (fwd "
+    distinct = list(dict.fromkeys(forward + backward + kv))  # the decode forward's kernels are kv-cache ones
+    total, on_disk = len(distinct), sum(v.name_expression in cached for v in distinct)
+    click.echo(f"{'compiled on disk:':<22}{on_disk} of {total} flashcupy kernels this GPU can use (fwd "
                f"{counts[0]} of {len(forward)}, bwd {counts[1]} of {len(backward)}, kvcache {counts[2]} of {len(kv)})"
-               + ("; `flashcupy compile` builds the rest" if sum(counts) < total else ""))
+               + ("; `flashcupy compile` builds the rest" if on_disk < total else ""))
 
     def listing(title, variants):
         if variants:
@@ -543,6 +546,7 @@ def compile_command(ctx, head_dims, dtypes, direction, causal, deterministic, sc
         variants = [v for d in directions if d != "kvcache" for family, v in family_variants(d, capability, **choice)
                     if arch in family.archs]
         variants += kvcache_variants(capability, **choice) if "kvcache" in directions else []
+        variants = list(dict.fromkeys(variants))  # the decode forward's kernels are kv-cache ones
         if not variants:
             raise click.ClickException(f"no kernel family builds for {arch}")
         _compile_and_report(ctx, variants, jobs, f"{arch} (offline, nothing cached)", arch=arch)
@@ -554,7 +558,8 @@ def compile_command(ctx, head_dims, dtypes, direction, causal, deterministic, sc
     # The variants are chosen here, from this device's opt-in shared memory, and handed to the
     # workers as they are: every worker builds exactly what flash_attn_func will ask for.
     pick = {"fwd": fwd_variants, "bwd": bwd_variants, "kvcache": kvcache_variants}
-    variants = [v for d in directions for v in pick[d](info.capability, info.smem_per_block_optin, **choice)]
+    variants = list(dict.fromkeys(v for d in directions
+                                  for v in pick[d](info.capability, info.smem_per_block_optin, **choice)))
     if not variants:
         raise click.ClickException(f"no kernel family runs on {info.name} (sm {_capability(info)}); flashcupy "
                                    "needs 8.0 or newer (Ampere, Ada, Hopper)")
@@ -714,9 +719,11 @@ def _short_lengths(variant) -> list:
 
 def _lengths_picking(family, variant, info) -> list:
     """(seqlen_q, seqlen_k, mask options) of the check for which `family` launches `variant`: the
-    short lengths, else the long rows (kernels picked for rows that see many keys); [] if neither."""
+    short lengths, else the long rows (kernels picked for rows that see many keys), else a few
+    query rows; [] if none."""
     for lengths in (_short_lengths(variant),
-                    [(seqlen_q, seqlen_k, _LONG_MASK_CASES[variant.mask]) for seqlen_q, seqlen_k in CHECK_LONG_ROWS]):
+                    [(seqlen_q, seqlen_k, _LONG_MASK_CASES[variant.mask]) for seqlen_q, seqlen_k in CHECK_LONG_ROWS],
+                    [(seqlen_q, seqlen_k, _MASK_CASES[variant.mask]) for seqlen_q, seqlen_k in CHECK_FEW_QUERIES]):
         picked = [case for case in lengths if family.variant(_case_problem(variant, case[2], *case[:2]), info) == variant]
         if picked:
             return picked

@@ -563,16 +563,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         if reason is not None:
             raise ValueError(f"flash_attn_with_kvcache cannot run on {info.name}: {reason}")
         if out.size or seqlen_new:
-            launches = _launch(problem, q, k_cache, v_cache, k, v, seqlens_d, idx_d, pad_d, bt_d, rotary_cos,
-                               rotary_sin, bool(rotary_interleaved), windowed, int(num_splits), out, lse, info)
+            launches = launch(problem, q, k_cache, v_cache, out, lse, info, k=k, v=v, seqlens=seqlens_d,
+                              batch_idx=idx_d, leftpad=pad_d, block_table=bt_d, rotary_cos=rotary_cos,
+                              rotary_sin=rotary_sin, interleaved=bool(rotary_interleaved), windowed=windowed,
+                              num_splits=int(num_splits))
             replay.keep(key, launches)
     return (out, lse) if return_lse else out
 
 
-def _launch(problem, q, k_cache, v_cache, k, v, seqlens, batch_idx, leftpad, block_table, rotary_cos, rotary_sin,
-            interleaved, windowed, num_splits, out, lse, device) -> replay.CallReplay:
-    """Launches the call's kernels (append, rotary, attention); returns them with the buffers they
-    allocate, to run again (replay.py)."""
+def launch(problem, q, k_cache, v_cache, out, lse, device, *, k=None, v=None, seqlens=None, batch_idx=None,
+           leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None, interleaved=False, windowed=False,
+           num_splits=0) -> replay.CallReplay:
+    """Launches the call's kernels (append, rotary, attention) on `device` (a DeviceInfo); returns
+    them with the buffers they allocate, to run again (replay.py). Without seqlens every sequence
+    holds all of the cache's rows (flash_attn_func's k and v: the decode forward family)."""
     import cupy
 
     batch, seqlen_q, nheads, head_dim = q.shape

@@ -60,9 +60,10 @@ class Family:
 
 
 def _family_classes() -> list:
-    from . import sm80, sm90_bwd, sm90_fwd
+    from . import decode_fwd, sm80, sm90_bwd, sm90_fwd
 
-    return [sm90_fwd.Sm90Forward, sm80.Sm80Forward, sm90_bwd.Sm90Backward, sm80.Sm80Backward]
+    return [decode_fwd.DecodeForward, sm90_fwd.Sm90Forward, sm80.Sm80Forward, sm90_bwd.Sm90Backward,
+            sm80.Sm80Backward]
 
 
 @functools.lru_cache(maxsize=None)

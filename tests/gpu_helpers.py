@@ -108,21 +108,26 @@ def check_grads_per_sequence(grads, refs, cu_seqlens_q, cu_seqlens_k, dtype_name
             assert err < GRAD_TOL[dtype_name], (label, f"sequence {b}", name, err)
 
 
-def _problem(q, k, options):
-    """The padded problem of q, k with these options (for asking which family serves it)."""
+def _problem(q, k, options, varlen=False):
+    """The padded problem of q, k with these options, or with varlen=True a packed batch of those
+    sizes (for asking which family serves it)."""
+    import dataclasses
+
     from flashcupy.problem import AttentionOptions, Problem
 
     batch, seqlen_q, nheads, head_dim = q.shape
-    return Problem.sketch(head_dim, "bfloat16", AttentionOptions(**options), seqlen_q, nheads, k.shape[2], batch)
+    problem = Problem.sketch(head_dim, "bfloat16", AttentionOptions(**options), seqlen_q, nheads, k.shape[2], batch)
+    return dataclasses.replace(problem, cu_seqlens_q=object(), cu_seqlens_k=object()) if varlen else problem
 
 
-def serving_families(direction, q, k, **options) -> list:
+def serving_families(direction, q, k, varlen=False, **options) -> list:
     """The names of the families of `direction` that serve the padded problem of q, k with these
-    options on this GPU, in dispatch order."""
+    options on this GPU (with varlen=True: the packed one, q and k given as q[None], k[None]), in
+    dispatch order."""
     from flashcupy import registry
     from flashcupy.device import device_info
 
-    problem = _problem(q, k, options)
+    problem = _problem(q, k, options, varlen)
     names = [f.name for f in registry.families(direction) if f.unsupported(problem, device_info()) is None]
     assert names, f"no {direction} family serves {options} at these shapes: a loop over them would test nothing"
     return names

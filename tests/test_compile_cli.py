@@ -8,14 +8,16 @@ import pickle
 
 import pytest
 
-from flashcupy import build, cli, configs, device, registry, sm80, sm90_bwd, sm90_fwd
+from flashcupy import build, cli, configs, decode_fwd, device, registry, sm80, sm90_bwd, sm90_fwd
 from flashcupy.device import DeviceInfo
 from cli_helpers import FAKE_GPU, invoke, on_gpu
 
-# per Hopper device: fwd sm90 (4 head dims x 2 dtypes x 3 masks x score mods off/on, and at d=256 the
-# banded ones again with O in the Q buffer: 2 x 2 x 2) and sm80 (6 head dims ...), bwd sm90 (d=64,
-# 128 with every option) and sm80 (144 main + 36 helpers)
-FWD_KERNELS = 48 + 8 + 72
+# per Hopper device: fwd decode (the decode and prefill kernels, 6 head dims x 2 dtypes x 3 masks x
+# score mods, all of them kv-cache kernels too), sm90 (4 head dims x 2 dtypes x 3 masks x score mods
+# off/on, and at d=256 the banded ones again with O in the Q buffer: 2 x 2 x 2) and sm80 (6 head dims
+# ...), bwd sm90 (d=64, 128 with every option) and sm80 (144 main + 36 helpers)
+DECODE_FWD_KERNELS = 72 + 72
+FWD_KERNELS = DECODE_FWD_KERNELS + 48 + 8 + 72
 BWD_KERNELS = 76 + 180  # sm90 (d=64, 128, 256 x 2 dtypes x 3 masks x deterministic, score mods; the causal
 # d=128 step of short problems x 2 dtypes x deterministic), sm80 main + helpers
 # flash_attn_with_kvcache: decode and prefill kernels (6 head dims x 2 dtypes x 3 masks x score mods), the
@@ -23,7 +25,7 @@ BWD_KERNELS = 76 + 180  # sm90 (d=64, 128, 256 x 2 dtypes x 3 masks x determinis
 # being the default one; d=192 and 256: one each), its clusters of 2, 4 and 8 splits (each 2 x 3 x 2)
 # of the long tiles and, at d=96 and 128, of the 4-warp tile, the append and the q rotation per dtype
 KVCACHE_KERNELS = 72 + 72 + 2 * 24 + 2 * 12 + 6 * 36 + 4
-ALL_KERNELS = FWD_KERNELS + BWD_KERNELS + KVCACHE_KERNELS
+ALL_KERNELS = FWD_KERNELS - DECODE_FWD_KERNELS + BWD_KERNELS + KVCACHE_KERNELS  # each kernel once
 
 
 @pytest.fixture
@@ -36,10 +38,10 @@ def cache(tmp_path, monkeypatch):
 
 
 def fake_variants(**choice):
-    """The variants the fake GPU uses, as the commands pick them."""
-    return (cli.fwd_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin, **choice)
-            + cli.bwd_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin, **choice)
-            + cli.kvcache_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin, **choice))
+    """The variants the fake GPU uses, as the commands pick them (each once)."""
+    return list(dict.fromkeys(cli.fwd_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin, **choice)
+                              + cli.bwd_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin, **choice)
+                              + cli.kvcache_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin, **choice)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,7 +88,9 @@ def test_info_has_verbose_option():
 def test_variant_lists_are_the_families(capability):
     """Every family that runs on the capability, in dispatch order."""
     hopper = sm90_fwd.Sm90Forward().variants(90) if capability == 90 else []
-    assert cli.fwd_variants(capability) == hopper + sm80.Sm80Forward().variants(capability)
+    decode = decode_fwd.DecodeForward().variants(capability)
+    assert cli.fwd_variants(capability) == decode + hopper + sm80.Sm80Forward().variants(capability)
+    assert set(decode) <= set(cli.kvcache_variants(capability))
     hopper = sm90_bwd.Sm90Backward().variants(90) if capability == 90 else []
     assert cli.bwd_variants(capability) == hopper + sm80.Sm80Backward().variants(capability)
 
@@ -106,7 +110,11 @@ def test_variant_lists_follow_the_devices_opt_in():
 
 def test_variant_lists_filter():
     fwd = cli.fwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), masks=("causal",))
-    assert [str(v) for v in fwd] == ["fwd-sm90 d=64 bfloat16 mask=causal tile=192x128 stages=2 ping-pong",
+    assert [str(v) for v in fwd] == ["decode d=64 bfloat16 mask=causal tile=16x64 stages=5",
+                                     "decode d=64 bfloat16 mask=causal+score_mod tile=16x64 stages=5",
+                                     "prefill d=64 bfloat16 mask=causal tile=64x64",
+                                     "prefill d=64 bfloat16 mask=causal+score_mod tile=64x64",
+                                     "fwd-sm90 d=64 bfloat16 mask=causal tile=192x128 stages=2 ping-pong",
                                      "fwd-sm90 d=64 bfloat16 mask=causal+score_mod tile=192x128 stages=2 ping-pong",
                                      "fwd d=64 bfloat16 mask=causal tile=128x128 warps=4",
                                      "fwd d=64 bfloat16 mask=causal+score_mod tile=128x128 warps=4"]
@@ -242,7 +250,7 @@ class FakePool:
 
 
 @pytest.mark.parametrize("args, count", [
-    (["--head-dims", "64", "--dtype", "bf16", "--direction", "fwd", "--score-mod", "off"], 3 + 3),
+    (["--head-dims", "64", "--dtype", "bf16", "--direction", "fwd", "--score-mod", "off"], 3 + 3 + 3 + 3),
     (["--direction", "fwd"], FWD_KERNELS),
     ([], ALL_KERNELS),
     (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 18 + 16 + 12),
@@ -303,7 +311,8 @@ def test_compile_old_gpu_is_an_error(cache, monkeypatch):
 def test_info_counts_and_marks_cached_kernels(cache, fake_gpu):
     forward = cli.fwd_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin)
     backward = cli.bwd_variants(FAKE_GPU.capability, FAKE_GPU.smem_per_block_optin)
-    for v in (forward[2], forward[5], backward[0]):
+    # forward[0] is the decode forward's, a kv-cache kernel as well: counted in both lists, once in all
+    for v in (forward[0], forward[DECODE_FWD_KERNELS + 5], backward[0]):
         build.record_compiled(v, "sm_90")
     build.record_compiled(forward[7], "sm_80")  # another arch's binary does not count here
     build.record_compiled(sm80.fwd_variant(256, "bfloat16", "none", 86), "sm_90")  # a tile this GPU never picks
@@ -312,10 +321,10 @@ def test_info_counts_and_marks_cached_kernels(cache, fake_gpu):
     out = result.stdout
     assert f"kernel cache:         {cache} (" in out
     assert (f"compiled on disk:     3 of {ALL_KERNELS} flashcupy kernels this GPU can use "
-            f"(fwd 2 of {FWD_KERNELS}, bwd 1 of {BWD_KERNELS}, kvcache 0 of {KVCACHE_KERNELS})") in out
+            f"(fwd 2 of {FWD_KERNELS}, bwd 1 of {BWD_KERNELS}, kvcache 1 of {KVCACHE_KERNELS})") in out
     assert "`flashcupy compile` builds the rest" in out
     marked = [line.strip() for line in out.splitlines() if line.endswith("[on disk]")]
-    assert marked == [f"{forward[2]}  [on disk]", f"{forward[5]}  [on disk]"]
+    assert marked == [f"{forward[0]}  [on disk]", f"{forward[DECODE_FWD_KERNELS + 5]}  [on disk]"]
     assert "backward kernels" not in out
 
     verbose = invoke("info", "--verbose").stdout
@@ -385,12 +394,17 @@ def test_check_runs_each_forward_kernel_on_lengths_that_select_it(cache, fake_gp
 def test_check_fails_a_kernel_that_none_of_its_lengths_selects(cache, fake_gpu, monkeypatch):
     _stub_check_runs(monkeypatch)
     monkeypatch.setattr(cli, "CHECK_LONG_ROWS", ())
+    monkeypatch.setattr(cli, "CHECK_FEW_QUERIES", ())
     result = invoke("check", "--head-dims", "256")
     assert result.exit_code == 1
     unreached = [line for line in result.stdout.splitlines() if "none of the check's lengths" in line]
-    # d = 256: 2 dtypes x (causal, local) x score mods off/on
-    assert len(unreached) == 8 and all(line.endswith("FAIL") and ("mask=causal" in line or "mask=local" in line)
-                                       for line in unreached)
+    assert all(line.endswith("FAIL") for line in unreached)
+    # d = 256: the sm90 kernels of long rows, 2 dtypes x (causal, local) x score mods off/on; every
+    # decode kernel (2 dtypes x 3 masks x score mods), which few query rows alone select
+    sm90 = [line for line in unreached if line.startswith("sm90 ")]
+    assert len(sm90) == 8 and all("mask=causal" in line or "mask=local" in line for line in sm90)
+    assert len([line for line in unreached if line.startswith("decode decode d=256")]) == 12
+    assert len(unreached) == 20
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,8 +420,9 @@ def test_compile_then_info_gpu(cache):
     info = device.device_info()
     # one forward kernel per family that runs here, mask mode and score mods off/on
     n = len(cli.fwd_variants(info.capability, info.smem_per_block_optin, head_dims=(64,), dtypes=("bfloat16",)))
-    families = sum(f.runs_on(info.capability) for f in registry.families("fwd"))  # each serves d = 64
-    assert n == len(configs.MASKS) * 2 * families
+    # each family serves d = 64; the decode forward with two kernels (decode and prefill) per case
+    kernels = sum((2 if f.name == "decode" else 1) * f.runs_on(info.capability) for f in registry.families("fwd"))
+    assert n == len(configs.MASKS) * 2 * kernels
     assert f"{n} of {n} kernels" in result.stdout and "FAIL" not in result.stdout
     cubins = sorted(cache.glob("*.cubin"))
     assert len(cubins) >= n  # CuPy's own cache files, written by the workers
@@ -453,7 +468,8 @@ def test_compile_offline_really_compiles(monkeypatch):
     result = invoke("compile", "--arch", "sm_90a", "--head-dims", "32", "--dtype", "bf16", "--direction", "fwd",
                     "--causal", "off", "--score-mod", "off", "--jobs", "1")
     assert result.exit_code == 0, result.output
-    assert "1 of 1 kernels" in result.stdout and "FAIL" not in result.stdout
+    # the decode forward's decode and prefill kernels, and sm80's (sm90 has no head dim 32)
+    assert "3 of 3 kernels" in result.stdout and "FAIL" not in result.stdout
 
 
 def test_info_lists_the_families_and_who_serves_what(cache, fake_gpu):

@@ -14,7 +14,7 @@ pytestmark = requires_gpu
 SEQLENS = [1, 17, 128, 1000, 4099]
 
 
-@pytest.fixture(autouse=True, params=["sm90", "sm80"])
+@pytest.fixture(autouse=True, params=["sm90", "sm80", "decode"])
 def forward_family(request, monkeypatch):
     """Every test runs on each forward family (FLASHCUPY_BACKEND); a family that does not serve the
     test's problem on this GPU skips it, saying why."""

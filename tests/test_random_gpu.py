@@ -134,7 +134,7 @@ def test_random_varlen(seed):
     host_options = _host_options(options)
     ref_out, ref_lse = attention_varlen_ref(*host[:3], cu_q, cu_k, **host_options)
 
-    for backend in serving_families("fwd", q[None], k[None], **options):
+    for backend in serving_families("fwd", q[None], k[None], varlen=True, **options):
         poison_pool((q.shape, q.dtype), ((nheads, q.shape[0]), cupy.float32))
         out, lse = flashcupy.flash_attn_varlen_func(q, k, v, *sizes, return_lse=True, backend=backend, **options)
         out_h = to_host64(out)
@@ -146,7 +146,7 @@ def test_random_varlen(seed):
 
     refs = attention_varlen_bwd_ref(host[3], *host[:3], cu_q, cu_k, **host_options)
     deterministic = bool(rng.random() < 0.3)
-    for backend in serving_families("bwd", q[None], k[None], deterministic=deterministic, **options):
+    for backend in serving_families("bwd", q[None], k[None], varlen=True, deterministic=deterministic, **options):
         poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (q.shape, cupy.float32))
         grads = flashcupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, *sizes, deterministic=deterministic,
                                                      backend=backend, **options)

@@ -40,14 +40,14 @@ def test_dispatch_takes_the_first_family_that_serves():
 
 
 def test_no_family_says_why():
-    with pytest.raises(ValueError, match=r"no fwd kernel family serves this problem on T4 \(sm90: Hopper .* "
+    with pytest.raises(ValueError, match=r"no fwd kernel family serves this problem on T4 \(decode: needs .* sm90: Hopper .* "
                                          r"sm80: needs compute capability 8.0 or newer; this GPU has 7.5\)"):
         registry.select("fwd", sketch(), TURING)
 
 
 def test_forced_backend():
     assert registry.select("fwd", sketch(), HOPPER, "sm80").name == "sm80"
-    with pytest.raises(ValueError, match=r"backend= 'sm99' is not a fwd kernel family; choose from sm90, sm80"):
+    with pytest.raises(ValueError, match=r"backend= 'sm99' is not a fwd kernel family; choose from decode, sm90, sm80"):
         registry.select("fwd", sketch(), HOPPER, "sm99")
     with pytest.raises(ValueError, match=r"backend= 'sm80' cannot compute this bwd: needs compute capability"):
         registry.select("bwd", sketch(), TURING, "sm80")
@@ -110,7 +110,7 @@ def test_options_are_checked_once_where_they_are_given():
         with pytest.raises(TypeError, match="window_size must be a pair"):
             api.FlashAttention(window_size=window)
     # a family name is checked where it is given, also for calls that launch nothing (empty inputs)
-    with pytest.raises(ValueError, match=r"backend='sm99' names no kernel family; choose from sm90, sm80"):
+    with pytest.raises(ValueError, match=r"backend='sm99' names no kernel family; choose from decode, sm90, sm80"):
         AttentionOptions(backend="sm99")
     assert AttentionOptions(backend="sm80").backend == "sm80"
 
@@ -171,3 +171,57 @@ def test_a_family_that_passes_over_a_problem_yields_to_the_next():
         assert registry.select("bwd", sketch(), HOPPER, "slow") is slow
     finally:
         registry._instances = original
+
+
+def test_few_queries_go_to_the_decode_forward():
+    """The decode family takes a padded forward while seqlen_q x the query heads of a kv head fit the
+    decode kernel's rows (one head per block with ALiBi slopes or sinks); past that it passes the
+    problem over to the tiled families, and varlen it does not serve."""
+    from flashcupy import decode_fwd, kvcache
+
+    def few(seqlen_q, nheads=32, nheads_k=8, head_dim=128, **options):
+        return Problem.sketch(head_dim, "bfloat16", AttentionOptions(**options), seqlen_q, nheads, nheads_k,
+                              batch=2, seqlen_k=8192)
+
+    rows = kvcache.DECODE_MAX_ROWS
+    for device in (HOPPER, AMPERE):
+        for seqlen_q, nheads_k in ((1, 8), (rows // 4, 8), (1, 1), (rows, 32), (3, 4)):
+            problem = few(seqlen_q, nheads_k=nheads_k, causal=True)
+            family = registry.select("fwd", problem, device)
+            assert family.name == "decode", (seqlen_q, nheads_k)
+            assert family.variant(problem, device) == kvcache.DecodeVariant(
+                128, "bfloat16", "causal", False, *kvcache.decode_tile(128, device.capability))
+    for seqlen_q, nheads_k in ((rows // 4 + 1, 8), (rows + 1, 32)):
+        problem = few(seqlen_q, nheads_k=nheads_k)
+        assert decode_fwd.packed_rows(problem) > rows
+        assert "packed query rows per kv head" in registry.families("fwd")[0].passes_over(problem, HOPPER)
+        assert registry.select("fwd", problem, HOPPER).name == "sm90"
+        assert registry.select("fwd", problem, AMPERE).name == "sm80"
+        forced = registry.select("fwd", problem, HOPPER, "decode")  # forced: the prefill kernel
+        assert isinstance(forced.variant(problem, HOPPER), kvcache.PrefillVariant)
+    # per-head score mods keep one query head per block: seqlen_q alone counts
+    packed = few(8, nheads_k=8)
+    one_head = dataclasses.replace(packed, options=dataclasses.replace(packed.options, sinks=object()))
+    assert decode_fwd.packed_rows(packed) == 32 and decode_fwd.packed_rows(one_head) == 8
+    varlen = dataclasses.replace(few(1), cu_seqlens_q=object(), cu_seqlens_k=object())
+    assert registry.families("fwd")[0].unsupported(varlen, HOPPER).startswith("varlen")
+    assert registry.select("fwd", varlen, HOPPER).name == "sm90"
+    with pytest.raises(ValueError, match="backend= 'decode' cannot compute this fwd: varlen"):
+        registry.select("fwd", varlen, HOPPER, "decode")
+    assert registry.families("fwd")[0].unsupported(few(1), TURING).startswith("needs compute capability 8.0")
+
+
+def test_decode_forward_leaves_mha_blocks_that_reread_keys_to_a_full_tiled_grid():
+    """More than one block of packed rows per kv head reads the keys more often than a tiled forward
+    (once per query head): the decode family passes over such problems where the tiled grid alone
+    fills the GPU, and keeps them where its split keys fill it."""
+    def mha(seqlen_q, batch, nheads=32, nheads_k=32):
+        return Problem.sketch(128, "bfloat16", AttentionOptions(), seqlen_q, nheads, nheads_k, batch=batch,
+                              seqlen_k=4096)
+
+    assert registry.select("fwd", mha(32, batch=8), HOPPER).name == "sm90"  # 256 tiles for 132 SMs
+    assert "read the keys more often" in registry.families("fwd")[0].passes_over(mha(32, batch=8), HOPPER)
+    assert registry.select("fwd", mha(32, batch=4), HOPPER).name == "decode"  # 128 tiles
+    assert registry.select("fwd", mha(16, batch=8), HOPPER).name == "decode"  # one block per head
+    assert registry.select("fwd", mha(8, batch=8, nheads_k=8), HOPPER).name == "decode"  # 2 blocks, 4 heads
+    assert registry.select("fwd", mha(16, batch=8, nheads=32, nheads_k=16), HOPPER).name == "decode"  # 2 and 2

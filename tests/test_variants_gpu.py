@@ -160,7 +160,7 @@ def test_varlen(dtype_name, head_dim, gqa, lengths_q, lengths_k, options):
 
     refs = attention_varlen_bwd_ref(host[3], *host[:3], *host[4:], **host_kw)
     for deterministic in (False, True):
-        for backend in serving_families("bwd", q[None], k[None], deterministic=deterministic, **kw):
+        for backend in serving_families("bwd", q[None], k[None], varlen=True, deterministic=deterministic, **kw):
             poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (q.shape, cupy.float32))
             grads = flashcupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, *sizes, deterministic=deterministic,
                                                          backend=backend, **kw)
@@ -204,7 +204,7 @@ def test_varlen_short_sequences_in_every_position(shift, options, nheads_k, head
     check_lse(lse, ref_lse)
     refs = attention_varlen_bwd_ref(host[3], *host[:3], cu_h, cu_h, **options)
     for deterministic in (False, True):
-        for backend in serving_families("bwd", q[None], k[None], deterministic=deterministic, **options):
+        for backend in serving_families("bwd", q[None], k[None], varlen=True, deterministic=deterministic, **options):
             poison_pool((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype), (q.shape, cupy.float32))
             grads = flashcupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, *sizes, deterministic=deterministic,
                                                          backend=backend, **options)

@@ -1,0 +1,187 @@
+"""The decode forward family (flash_attn_func over few queries on the kv-cache kernels) against the
+float64 reference, on the GPU: every mask and score mod, GQA packing, rows without keys, strides,
+replays and the backward of its LSE."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_helpers import REL_TOL, check_grads, check_lse, poison_pool, randn, rel_err, requires_gpu, to_host64
+
+pytestmark = requires_gpu
+
+KEY_LENGTHS = [1, 17, 127, 129, 1000, 4099]
+HEADS = [(8, 2), (8, 8), (8, 1), (6, 3)]  # (query heads, kv heads): 4, 1, 8 and 2 packed per kv head
+# (causal, window_size, alignment)
+MASKS = [(False, (-1, -1), "bottom_right"), (True, (-1, -1), "bottom_right"), (True, (-1, -1), "top_left"),
+         (False, (64, 0), "bottom_right"), (False, (5, 3), "top_left")]
+
+
+def _f32(rng, shape, low, high):
+    import cupy
+
+    return cupy.asarray(rng.uniform(low, high, shape).astype(np.float32))
+
+
+def family_of(q, k, **options) -> str:
+    """The forward family flash_attn_func takes for these arrays and options on this GPU."""
+    from flashcupy import api
+    from flashcupy.device import device_info
+    from flashcupy.problem import AttentionOptions, Problem
+
+    problem = Problem.padded(q, k, "bfloat16", AttentionOptions(**options), read=(q, k))
+    return api.family_for("fwd", problem, device_info(q.device.id)).name
+
+
+def run_and_check(q, k, v, dtype_name, backend="decode", **options):
+    """flash_attn_func on the decode family (forced, or as dispatched with backend=None) against the
+    reference, out and LSE written over poisoned memory; returns (out, lse)."""
+    import cupy
+
+    import flashcupy
+    from flashcupy.reference import attention_ref
+
+    batch, seqlen_q, nheads, d = q.shape
+    poison_pool(((batch, seqlen_q, nheads, d), q.dtype), ((batch, nheads, seqlen_q), cupy.float32))
+    out, lse = flashcupy.flash_attn_func(q, k, v, return_lse=True, backend=backend, **options)
+    host_options = {n: to_host64(a) if isinstance(a, cupy.ndarray) else a for n, a in options.items()}
+    ref_out, ref_lse = attention_ref(to_host64(q), to_host64(k), to_host64(v), **host_options)
+    out_h = to_host64(out)
+    assert not np.isnan(out_h).any(), "unwritten (poisoned) or NaN output elements"
+    err = rel_err(out_h, ref_out)
+    assert err < REL_TOL[dtype_name], f"out relative error {err:.2e}"
+    check_lse(lse, ref_lse)
+    return out, lse
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}-{h[1]}")
+@pytest.mark.parametrize("seqlen_k", KEY_LENGTHS)
+@pytest.mark.parametrize("seqlen_q", [1, 3, 8])
+def test_masks_over_ragged_key_lengths(seqlen_q, seqlen_k, heads):
+    """Every mask and alignment; seqlen_q > seqlen_k leaves causal rows without keys (out 0, LSE
+    -inf). Dispatch takes the family wherever the packed rows fit the decode kernel."""
+    from flashcupy import kvcache
+
+    nheads, nheads_k = heads
+    rng = np.random.default_rng(100 * seqlen_q + seqlen_k + nheads_k)
+    q = randn(rng, (2, seqlen_q, nheads, 128), "bfloat16")
+    k, v = (randn(rng, (2, seqlen_k, nheads_k, 128), "bfloat16") for _ in range(2))
+    for causal, window_size, alignment in MASKS:
+        options = dict(causal=causal, window_size=window_size, alignment=alignment)
+        fits = seqlen_q * nheads // nheads_k <= kvcache.DECODE_MAX_ROWS
+        assert family_of(q, k, **options) == ("decode" if fits else "sm90" if _hopper() else "sm80")
+        run_and_check(q, k, v, "bfloat16", backend=None, **options)
+
+
+def _hopper() -> bool:
+    from flashcupy.device import device_info
+
+    return device_info().capability == 90
+
+
+# (softcap, alibi: None / "heads" / "batch", sinks)
+MODS = [(5.0, None, False), (0.0, "heads", False), (0.0, "batch", False), (0.0, None, True), (2.0, "heads", True)]
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("mods", MODS, ids=lambda m: "-".join(map(str, m)))
+def test_head_dims_dtypes_and_score_mods(dtype_name, head_dim, mods):
+    """softcap, ALiBi (per head and per sequence) and sinks on every head dim and dtype, GQA with a
+    causal band over more queries than keys (rows with only the sink)."""
+    softcap, alibi, sinks = mods
+    batch, nheads = 3, 4
+    rng = np.random.default_rng(head_dim + 10 * len(dtype_name))
+    q = randn(rng, (batch, 5, nheads, head_dim), dtype_name)
+    for seqlen_k, causal in ((1000, False), (3, True)):
+        k, v = (randn(rng, (batch, seqlen_k, 2, head_dim), dtype_name) for _ in range(2))
+        options = dict(causal=causal, softcap=softcap,
+                       alibi_slopes=None if alibi is None else
+                       _f32(rng, (nheads,) if alibi == "heads" else (batch, nheads), 0.01, 0.3),
+                       sinks=_f32(rng, (nheads,), -1.0, 3.0) if sinks else None)
+        assert family_of(q, k, **options) == "decode"
+        run_and_check(q, k, v, dtype_name, backend=None, **options)
+
+
+def test_more_blocks_than_the_grid_holds_at_once():
+    """batch x heads far beyond twice the SM count, one query each, and a single sequence whose
+    keys the plan splits over many blocks."""
+    rng = np.random.default_rng(3)
+    q = randn(rng, (96, 1, 16, 64), "float16")
+    k, v = (randn(rng, (96, 300, 4, 64), "float16") for _ in range(2))
+    run_and_check(q, k, v, "float16", backend=None, causal=True)
+    q = randn(rng, (1, 2, 32, 128), "bfloat16")
+    k, v = (randn(rng, (1, 20000, 8, 128), "bfloat16") for _ in range(2))
+    run_and_check(q, k, v, "bfloat16", backend=None)
+
+
+def test_strided_broadcast_and_reversed_inputs():
+    """Packed qkv, a transposed buffer, K and V broadcast over the batch (stride 0) and Q reversed
+    along the sequence (a negative stride), all read in place."""
+    import cupy
+
+    rng = np.random.default_rng(11)
+    b, n, h, d = 2, 257, 4, 128
+    qkv = randn(rng, (b, 4, 3, h, d), "bfloat16")
+    q = qkv[:, :, 0]
+    k = randn(rng, (b, n, 3, h, d), "bfloat16")[:, :, 1]
+    v = cupy.ascontiguousarray(randn(rng, (b, h, n, d), "bfloat16")).transpose(0, 2, 1, 3)
+    assert not q.flags.c_contiguous and not k.flags.c_contiguous and not v.flags.c_contiguous
+    run_and_check(q, k, v, "bfloat16", backend=None, causal=True)
+    q = randn(rng, (3, 6, 8, 64), "bfloat16")[:, ::-1]
+    k, v = (cupy.broadcast_to(randn(rng, (1, 129, 2, 64), "bfloat16"), (3, 129, 2, 64)) for _ in range(2))
+    assert q.strides[1] < 0 and k.strides[0] == 0
+    assert family_of(q, k) == "decode"
+    run_and_check(q, k, v, "bfloat16", backend=None, window_size=(40, 2))
+
+
+def test_forced_on_many_queries_runs_the_prefill_kernel():
+    """backend="decode" computes problems it passes over too (more packed rows than the decode
+    kernel holds), as flash_attn_with_kvcache's chunked prefill."""
+    rng = np.random.default_rng(5)
+    q = randn(rng, (2, 300, 4, 64), "bfloat16")
+    k, v = (randn(rng, (2, 517, 2, 64), "bfloat16") for _ in range(2))
+    assert family_of(q, k, causal=True) != "decode"
+    run_and_check(q, k, v, "bfloat16", causal=True)
+
+
+def test_repeated_calls_replay_and_read_current_contents(monkeypatch):
+    """A repeated call (same arrays and options) replays its launches, split partials included, and
+    reads what the arrays hold now."""
+    import flashcupy
+    from flashcupy import replay
+    from flashcupy.problem import Problem
+    from flashcupy.reference import attention_ref
+
+    described, padded = [], Problem.padded
+    monkeypatch.setattr(Problem, "padded", lambda *a, **kw: described.append(1) or padded(*a, **kw))
+    replay.clear()
+    rng = np.random.default_rng(9)
+    q = randn(rng, (1, 1, 32, 128), "bfloat16")
+    k, v = (randn(rng, (1, 8192, 8, 128), "bfloat16") for _ in range(2))
+    first = to_host64(flashcupy.flash_attn_func(q, k, v))
+    v[...] = randn(rng, v.shape, "bfloat16")
+    again = to_host64(flashcupy.flash_attn_func(q, k, v))
+    assert len(described) == 1  # the second call was a replay
+    ref, _ = attention_ref(to_host64(q), to_host64(k), to_host64(v))
+    assert rel_err(again, ref) < REL_TOL["bfloat16"]
+    assert rel_err(first, ref) > 10 * REL_TOL["bfloat16"]  # the new values were read, not a kept result
+
+
+def test_backward_of_its_forward():
+    """FlashAttention's forward on the decode family keeps an LSE the backward families use."""
+    import flashcupy
+    from flashcupy.reference import attention_bwd_ref
+
+    rng = np.random.default_rng(21)
+    q = randn(rng, (2, 4, 8, 128), "bfloat16")
+    k, v = (randn(rng, (2, 700, 2, 128), "bfloat16") for _ in range(2))
+    dout = randn(rng, q.shape, "bfloat16")
+    sinks = _f32(rng, (8,), -1.0, 2.0)
+    assert family_of(q, k, causal=True, sinks=sinks) == "decode"
+    attn = flashcupy.FlashAttention(causal=True, sinks=sinks)
+    attn.forward(q, k, v)
+    grads = attn.backward(dout)
+    refs = attention_bwd_ref(*(to_host64(a) for a in (dout, q, k, v)), causal=True, sinks=to_host64(sinks))
+    check_grads(grads, refs, "bfloat16", "decode forward")
