@@ -200,8 +200,9 @@ def kvcache_variants(capability, smem_optin=None, head_dims=kvcache.HEAD_DIMS, d
 
 
 # The option sets `flashcupy info` shows the dispatch of, by head dim.
-_DISPATCH_CASES = (("plain", {}), ("causal", {"causal": True}), ("window", {"window_size": (256, 0)}),
-                   ("softcap", {"softcap": 30.0}))
+# (case, options, queries per sequence), over 4096 keys
+_DISPATCH_CASES = (("plain", {}, 4096), ("causal", {"causal": True}, 4096), ("window", {"window_size": (256, 0)}, 4096),
+                   ("softcap", {"softcap": 30.0}, 4096), ("1 query", {}, 1))
 
 
 def dispatch_table(info, dtype="bfloat16") -> list:
@@ -210,8 +211,8 @@ def dispatch_table(info, dtype="bfloat16") -> list:
     rows = []
     for head_dim in configs.SUPPORTED_HEAD_DIMS:
         cells = {}
-        for case, options in _DISPATCH_CASES:
-            problem = Problem.sketch(head_dim, dtype, AttentionOptions(**options))
+        for case, options, seqlen_q in _DISPATCH_CASES:
+            problem = Problem.sketch(head_dim, dtype, AttentionOptions(**options), seqlen_q, seqlen_k=4096)
             names = []
             for direction in ("fwd", "bwd"):
                 try:
@@ -470,7 +471,7 @@ def info_command(ctx, verbose):
     for family in registry.families():
         here = "" if family.runs_on(info.capability) else "  [not on this GPU]"
         click.echo(f"  {family.direction} {family.name:<8}{family.summary}{here}")
-    click.echo("family per head dim (bf16, fwd / bwd): " + ", ".join(case for case, _ in _DISPATCH_CASES))
+    click.echo("family per head dim (bf16, 4096 keys, fwd / bwd): " + ", ".join(case for case, *_ in _DISPATCH_CASES))
     for head_dim, cells in dispatch_table(info):
         click.echo(f"  d={head_dim:<4}" + "  ".join(f"{case}: {cell}" for case, cell in cells.items()))
 
