@@ -143,3 +143,25 @@ def skip_unless_served(direction, family_name, q, k, **options):
     reason = family.unsupported(_problem(q, k, options), device_info())
     if reason is not None:
         pytest.skip(f"{family_name}: {reason}")
+
+
+def forward_against_reference(q, k, v, dtype_name, backend, **options):
+    """flash_attn_func on family `backend` (None: as dispatched), out and LSE written over poisoned
+    memory, against the float64 reference with the same options (arrays among them copied to the
+    host); returns (out, lse)."""
+    import cupy
+
+    import flashcupy
+    from flashcupy.reference import attention_ref
+
+    batch, seqlen_q, nheads, _ = q.shape
+    poison_pool((q.shape, q.dtype), ((batch, nheads, seqlen_q), cupy.float32))
+    out, lse = flashcupy.flash_attn_func(q, k, v, return_lse=True, backend=backend, **options)
+    host_options = {n: to_host64(a) if isinstance(a, cupy.ndarray) else a for n, a in options.items()}
+    ref_out, ref_lse = attention_ref(to_host64(q), to_host64(k), to_host64(v), **host_options)
+    out_h = to_host64(out)
+    assert not np.isnan(out_h).any(), "unwritten (poisoned) or NaN output elements"
+    err = rel_err(out_h, ref_out)
+    assert err < REL_TOL[dtype_name], f"out relative error {err:.2e}"
+    check_lse(lse, ref_lse)
+    return out, lse

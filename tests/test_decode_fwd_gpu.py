@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import REL_TOL, check_grads, check_lse, poison_pool, randn, rel_err, requires_gpu, to_host64
+from gpu_helpers import REL_TOL, check_grads, forward_against_reference, randn, rel_err, requires_gpu, to_host64
 
 pytestmark = requires_gpu
 
@@ -35,24 +35,8 @@ def family_of(q, k, **options) -> str:
 
 
 def run_and_check(q, k, v, dtype_name, backend="decode", **options):
-    """flash_attn_func on the decode family (forced, or as dispatched with backend=None) against the
-    reference, out and LSE written over poisoned memory; returns (out, lse)."""
-    import cupy
-
-    import flashcupy
-    from flashcupy.reference import attention_ref
-
-    batch, seqlen_q, nheads, d = q.shape
-    poison_pool(((batch, seqlen_q, nheads, d), q.dtype), ((batch, nheads, seqlen_q), cupy.float32))
-    out, lse = flashcupy.flash_attn_func(q, k, v, return_lse=True, backend=backend, **options)
-    host_options = {n: to_host64(a) if isinstance(a, cupy.ndarray) else a for n, a in options.items()}
-    ref_out, ref_lse = attention_ref(to_host64(q), to_host64(k), to_host64(v), **host_options)
-    out_h = to_host64(out)
-    assert not np.isnan(out_h).any(), "unwritten (poisoned) or NaN output elements"
-    err = rel_err(out_h, ref_out)
-    assert err < REL_TOL[dtype_name], f"out relative error {err:.2e}"
-    check_lse(lse, ref_lse)
-    return out, lse
+    """forward_against_reference on the decode family (forced, or as dispatched with backend=None)."""
+    return forward_against_reference(q, k, v, dtype_name, backend, **options)
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}-{h[1]}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import REL_TOL, check_lse, poison_pool, randn, rel_err, requires_gpu, to_host64
+from gpu_helpers import (REL_TOL, check_lse, forward_against_reference, poison_pool, randn, rel_err, requires_gpu,
+                         to_host64)
 
 pytestmark = requires_gpu
 
@@ -19,22 +20,7 @@ def hopper():
 
 
 def run(q, k, v, dtype_name, **options):
-    import cupy
-
-    import flashcupy
-    from flashcupy.reference import attention_ref
-
-    batch, seqlen_q, nheads, _ = q.shape
-    poison_pool((q.shape, q.dtype), ((batch, nheads, seqlen_q), cupy.float32))
-    out, lse = flashcupy.flash_attn_func(q, k, v, return_lse=True, backend="sm90", **options)
-    host_options = {n: (to_host64(a) if n == "sinks" else a) for n, a in options.items()}
-    ref_out, ref_lse = attention_ref(to_host64(q), to_host64(k), to_host64(v), **host_options)
-    out_h = to_host64(out)
-    assert not np.isnan(out_h).any(), "unwritten (poisoned) or NaN output elements"
-    err = rel_err(out_h, ref_out)
-    assert err < REL_TOL[dtype_name], f"out relative error {err:.2e}"
-    check_lse(lse, ref_lse)
-    return out, lse
+    return forward_against_reference(q, k, v, dtype_name, "sm90", **options)
 
 
 MASKS = [{}, {"causal": True}, {"window_size": (100, 30)}, {"causal": True, "alignment": "top_left"}]
