@@ -39,7 +39,8 @@ def as_device_array(x, name: str):
 def flash_attn_func(q, k, v, softmax_scale: Optional[float] = None, causal: bool = False,
                     window_size: Tuple[int, int] = (-1, -1), alignment: str = "bottom_right", softcap: float = 0.0,
                     alibi_slopes=None, sinks=None, return_lse: bool = False, backend: Optional[str] = None):
-    """Exact attention softmax(q k^T * softmax_scale) v with the FlashAttention-2 forward kernel.
+    """Exact attention softmax(q k^T * softmax_scale) v: FlashAttention-2 and -3 forward kernels, and
+    for few queries per sequence the split-KV decode kernel (`flashcupy info` shows which runs).
 
     Arguments:
         q: (batch, seqlen_q, nheads, headdim), float16 or bfloat16, on the GPU.

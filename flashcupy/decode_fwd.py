@@ -17,19 +17,13 @@ from __future__ import annotations
 
 from . import kvcache
 from .configs import DTYPE_NAMES, MASKS
+from .launch import MAX_GRID_YZ
 from .registry import Family
 
 
-def heads_packed(problem) -> int:
-    """Query heads whose rows share a block: those of a kv head, or one with per-head ALiBi slopes
-    or sinks (kvcache.plan_launch's pack)."""
-    o = problem.options
-    return 1 if o.alibi_slopes is not None or o.sinks is not None else problem.nheads // problem.nheads_k
-
-
 def packed_rows(problem) -> int:
-    """Packed query rows per (sequence, head group): seqlen_q times heads_packed."""
-    return problem.max_seqlen_q * heads_packed(problem)
+    """Packed query rows per (sequence, head group): seqlen_q times kvcache.heads_per_block."""
+    return problem.max_seqlen_q * kvcache.heads_per_block(problem)
 
 
 class DecodeForward(Family):
@@ -45,8 +39,10 @@ class DecodeForward(Family):
     def unsupported(self, problem, device):
         if problem.is_varlen:
             return "varlen: its kernels read a (batch, seqlen, heads, dim) cache"
-        if problem.head_dim not in kvcache.HEAD_DIMS:
-            return f"head dim {problem.head_dim} is not one of {kvcache.HEAD_DIMS}"
+        groups = problem.nheads // kvcache.heads_per_block(problem)
+        if problem.batch > MAX_GRID_YZ or groups > MAX_GRID_YZ:
+            return (f"its grid has the batch ({problem.batch}) on z and the head groups ({groups}) on y, each at "
+                    f"most {MAX_GRID_YZ}")
         return kvcache.unsupported(problem.head_dim, device)
 
     def passes_over(self, problem, device):
@@ -59,7 +55,7 @@ class DecodeForward(Family):
         # the GPU anyway (its split keys gain nothing), the tiled forward wins: H100, MHA, 32 queries,
         # d=128, 8 / 32 / 128 sequences 0.93 / 0.91 / 0.89x of the sm90 forward (1 sequence: 1.3-1.7x)
         passes = -(-rows // kvcache.DECODE_BLOCK_M)
-        if passes > heads_packed(problem) and problem.batch * problem.nheads >= device.sm_count:
+        if passes > kvcache.heads_per_block(problem) and problem.batch * problem.nheads >= device.sm_count:
             return (f"its {passes} blocks of packed rows per kv head read the keys more often than a tiled forward, "
                     "whose grid fills the GPU")
         return None
@@ -77,9 +73,9 @@ class DecodeForward(Family):
         kernels (cli.kvcache_variants)."""
         if not self.runs_on(capability):
             return []
-        return [kvcache.attention_variant(rows, d, dt, m, mod, capability)
-                for rows in (1, kvcache.DECODE_MAX_ROWS + 1) for d in head_dims if d in kvcache.HEAD_DIMS
-                for dt in dtypes for m in masks for mod in score_mods]
+        cases = [(d, dt, m, mod) for d in head_dims for dt in dtypes for m in masks for mod in score_mods]
+        return ([kvcache.DecodeVariant(*case, *kvcache.decode_tile(case[0], capability)) for case in cases]
+                + [kvcache.PrefillVariant(*case) for case in cases])
 
     def ci_cases(self) -> list:
         """kvcache.ci_cases's pairs of this family's kernels (built once, for the same arch)."""

@@ -249,6 +249,13 @@ def small_tiles(head_dim: int, capability: int) -> tuple:
     return DECODE_TILES_SM90_SMALL.get(head_dim, ()) if capability == 90 else ()
 
 
+def heads_per_block(problem) -> int:
+    """Query heads whose rows share a block: those of a kv head (K and V read once for all of them),
+    or one with per-head ALiBi slopes or sinks."""
+    o = problem.options
+    return 1 if o.alibi_slopes is not None or o.sinks is not None else problem.nheads // problem.nheads_k
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     """The attention kernel's launch for one call: grid (m_blocks x splits, nheads / pack, batch)."""
@@ -301,14 +308,15 @@ def plan_launch(problem: Problem, num_splits: int, device, clusters=resident_clu
     """The launch for `problem` (max_seqlen_k: the cache's capacity) with num_splits asked (0: the
     rule, num_splits_for) on `device` (a DeviceInfo); clusters(variant, device id): how many
     clusters of a cluster variant the GPU runs at once (resident_clusters)."""
-    o = problem.options
-    pack = 1 if o.alibi_slopes is not None or o.sinks is not None else problem.nheads // problem.nheads_k
+    pack = heads_per_block(problem)
     rows = problem.max_seqlen_q * pack
     kernel = attention_variant(rows, problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod,
                                device.capability)
     m_blocks = -(-rows // kernel.block_m)
     blocks = problem.batch * (problem.nheads // pack) * m_blocks
-    splits = num_splits or num_splits_for(problem.batch, problem.nheads // pack, m_blocks, problem.max_seqlen_k,
+    # a bound on the keys of one q block's rows: a window's width (and the rows' spread) where narrower
+    keys = min(problem.max_seqlen_k, problem.keys_per_row + problem.max_seqlen_q)
+    splits = num_splits or num_splits_for(problem.batch, problem.nheads // pack, m_blocks, keys,
                                           device.sm_count * blocks_per_sm(kernel, device))
     if splits == 1 and isinstance(kernel, DecodeVariant):
         # many blocks: a smaller tile while the blocks outnumber this one's slots `waves` times over
@@ -576,7 +584,10 @@ def launch(problem, q, k_cache, v_cache, out, lse, device, *, k=None, v=None, se
            num_splits=0) -> replay.CallReplay:
     """Launches the call's kernels (append, rotary, attention) on `device` (a DeviceInfo); returns
     them with the buffers they allocate, to run again (replay.py). Without seqlens every sequence
-    holds all of the cache's rows (flash_attn_func's k and v: the decode forward family)."""
+    holds all of the cache's rows (flash_attn_func's k and v: the decode forward family); the append
+    and the query rotation need them."""
+    if seqlens is None and (k is not None or rotary_cos is not None):
+        raise ValueError("appending keys or rotating queries needs cache_seqlens")
     import cupy
 
     batch, seqlen_q, nheads, head_dim = q.shape

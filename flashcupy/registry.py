@@ -49,8 +49,9 @@ class Family:
         raise NotImplementedError
 
     def run(self, problem, device, *arrays):
-        """Launch the kernels on CuPy's current stream. Forward: q, k, v, out, lse, returning the
-        launch as a replay.Replay (what launches it again into other out and lse buffers);
+        """Launch the kernels on CuPy's current stream. Forward: q, k, v, out, lse, returning what
+        launches them again into other out and lse buffers: a callable of a buffers dict (a
+        replay.Replay, or a replay.CallReplay where the launch allocates buffers of its own);
         backward: dout, q, k, v, out, lse, dq, dk, dv, returning D = rowsum(dO * O) and the call's
         launches with the buffers they allocate (replay.CallReplay)."""
         raise NotImplementedError

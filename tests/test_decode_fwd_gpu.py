@@ -58,6 +58,16 @@ def test_masks_over_ragged_key_lengths(seqlen_q, seqlen_k, heads):
         run_and_check(q, k, v, "bfloat16", backend=None, **options)
 
 
+def _plan(q, k, **options):
+    """The decode kernels' launch plan for flash_attn_func's problem of these arrays."""
+    from flashcupy import kvcache
+    from flashcupy.device import device_info
+    from flashcupy.problem import AttentionOptions, Problem
+
+    problem = Problem.padded(q, k, "bfloat16", AttentionOptions(**options), read=(q, k))
+    return kvcache.plan_launch(problem, 0, device_info(q.device.id))
+
+
 def _hopper() -> bool:
     from flashcupy.device import device_info
 
@@ -73,14 +83,16 @@ MODS = [(5.0, None, False), (0.0, "heads", False), (0.0, "batch", False), (0.0, 
 @pytest.mark.parametrize("mods", MODS, ids=lambda m: "-".join(map(str, m)))
 def test_head_dims_dtypes_and_score_mods(dtype_name, head_dim, mods):
     """softcap, ALiBi (per head and per sequence) and sinks on every head dim and dtype, GQA with a
-    causal band over more queries than keys (rows with only the sink)."""
+    causal band over more queries than keys (rows with only the sink) and top-left (ALiBi's distances
+    from the band's diagonal)."""
     softcap, alibi, sinks = mods
     batch, nheads = 3, 4
     rng = np.random.default_rng(head_dim + 10 * len(dtype_name))
     q = randn(rng, (batch, 5, nheads, head_dim), dtype_name)
-    for seqlen_k, causal in ((1000, False), (3, True)):
+    for seqlen_k, causal, alignment in ((1000, False, "bottom_right"), (3, True, "bottom_right"),
+                                        (700, True, "top_left")):
         k, v = (randn(rng, (batch, seqlen_k, 2, head_dim), dtype_name) for _ in range(2))
-        options = dict(causal=causal, softcap=softcap,
+        options = dict(causal=causal, alignment=alignment, softcap=softcap,
                        alibi_slopes=None if alibi is None else
                        _f32(rng, (nheads,) if alibi == "heads" else (batch, nheads), 0.01, 0.3),
                        sinks=_f32(rng, (nheads,), -1.0, 3.0) if sinks else None)
@@ -144,6 +156,7 @@ def test_repeated_calls_replay_and_read_current_contents(monkeypatch):
     rng = np.random.default_rng(9)
     q = randn(rng, (1, 1, 32, 128), "bfloat16")
     k, v = (randn(rng, (1, 8192, 8, 128), "bfloat16") for _ in range(2))
+    assert _plan(q, k).splits > 1  # the partials are the replay's own buffers
     first = to_host64(flashcupy.flash_attn_func(q, k, v))
     v[...] = randn(rng, v.shape, "bfloat16")
     again = to_host64(flashcupy.flash_attn_func(q, k, v))

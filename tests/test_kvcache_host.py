@@ -467,3 +467,22 @@ def test_resident_clusters_without_cuda_bindings(monkeypatch):
                         lambda name, *a: None if name.split(".")[0] == "cuda" else real(name, *a))
     variant = kvcache.DecodeVariant(128, "bfloat16", "none", False, *kvcache.DECODE_TILES_SM90[128], 2)
     assert kvcache.resident_clusters.__wrapped__(variant, 0) == 0
+
+
+def test_a_window_bounds_the_split_count():
+    """The split rule counts the keys a q block's rows can see (a window's width, plus the rows'
+    spread), not the cache's capacity: a 256-key window over 32k keys is split in two, not sixteen."""
+    from flashcupy.problem import AttentionOptions, Problem, plan_band
+
+    hopper = DeviceInfo(0, "H200", 90, 132, 227 * 1024, 141 << 30)
+
+    def splits(window, seqlen_q=1, capacity=32768):
+        options = AttentionOptions(window_size=window)
+        problem = Problem(1, seqlen_q, capacity, 32, 8, 128, "bfloat16", 128 ** -0.5,
+                          plan_band(False, window, "bottom_right", seqlen_q, capacity), options)
+        return kvcache.plan_launch(problem, 0, hopper, lambda variant, device_id: 0).splits
+
+    assert splits((-1, -1)) == 16
+    assert splits((256, 0)) == 2  # 257 keys
+    assert splits((1023, 0), seqlen_q=8) == 8  # 1031 keys for the block's rows
+    assert splits((0, 0)) == 1

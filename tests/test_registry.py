@@ -226,3 +226,19 @@ def test_decode_forward_leaves_mha_blocks_that_reread_keys_to_a_full_tiled_grid(
     assert registry.select("fwd", mha(16, batch=8), HOPPER).name == "decode"  # one block per head
     assert registry.select("fwd", mha(8, batch=8, nheads_k=8), HOPPER).name == "decode"  # 2 blocks, 4 heads
     assert registry.select("fwd", mha(16, batch=8, nheads=32, nheads_k=16), HOPPER).name == "decode"  # 2 and 2
+
+
+def test_decode_forward_leaves_grids_past_its_limits_to_the_tiled_families():
+    """Its grid holds the batch on z and the head groups on y (at most 65535 each); the tiled
+    families put every block on x."""
+    from flashcupy.launch import MAX_GRID_YZ
+
+    def one_query(batch, nheads, nheads_k, **options):
+        return Problem.sketch(64, "bfloat16", AttentionOptions(**options), 1, nheads, nheads_k, batch=batch,
+                              seqlen_k=16)
+
+    assert registry.select("fwd", one_query(MAX_GRID_YZ, 8, 1), HOPPER).name == "decode"
+    for problem in (one_query(MAX_GRID_YZ + 1, 8, 1), one_query(1, MAX_GRID_YZ + 1, 1, sinks=object())):
+        assert "at most 65535" in registry.families("fwd")[0].unsupported(problem, HOPPER)
+        assert registry.select("fwd", problem, HOPPER).name == "sm90"
+    assert registry.select("fwd", one_query(1, MAX_GRID_YZ, 1, sinks=object()), HOPPER).name == "decode"
