@@ -150,13 +150,13 @@ def test_repeated_calls_replay_and_read_current_contents(monkeypatch):
     from flashcupy.problem import Problem
     from flashcupy.reference import attention_ref
 
-    described, padded = [], Problem.padded
-    monkeypatch.setattr(Problem, "padded", lambda *a, **kw: described.append(1) or padded(*a, **kw))
     replay.clear()
     rng = np.random.default_rng(9)
     q = randn(rng, (1, 1, 32, 128), "bfloat16")
     k, v = (randn(rng, (1, 8192, 8, 128), "bfloat16") for _ in range(2))
     assert _plan(q, k).splits > 1  # the partials are the replay's own buffers
+    described, padded = [], Problem.padded
+    monkeypatch.setattr(Problem, "padded", lambda *a, **kw: described.append(1) or padded(*a, **kw))
     first = to_host64(flashcupy.flash_attn_func(q, k, v))
     v[...] = randn(rng, v.shape, "bfloat16")
     again = to_host64(flashcupy.flash_attn_func(q, k, v))
