@@ -21,6 +21,7 @@ import numpy as np
 from . import build, params
 from .configs import cpp_bool, mask_flags
 from .launch import LaunchPlan, grid_blocks
+from .validation import MAX_ROWS
 from .registry import Family
 from .replay import Replay
 
@@ -54,6 +55,22 @@ class Sm90FwdTile:
 _TILES = {64: Sm90FwdTile(192, 128, 2, ping_pong=True),
           128: Sm90FwdTile(128, 128, 2, ping_pong=True, advance_descs=True),
           192: Sm90FwdTile(128, 96, 2), 256: Sm90FwdTile(128, 80, 2)}
+# d = 64 under a band wider than a key block: two consumer warpgroups (240 registers each) where the
+# three of _TILES spill the band's state (ptxas: 92 / 88 bytes of spill stores / loads at 160
+# registers). H200, same process, 5 alternating rounds, speed two / three at 1k / 4k / 16k tokens:
+# causal windows of 256 keys 1.27 / 1.13 / 1.31, of 1024 keys 1.13 / 1.03 / 1.01, a top-left band
+# of 257 keys 0.93 / 1.01 / 1.00; a 65-key top-left band (one key block per q block) 0.95 / 0.93 /
+# 0.92 in an earlier run: it keeps three.
+WIDE_BAND_TILES = {64: Sm90FwdTile(128, 128, 2, ping_pong=True)}
+
+
+def tile_for(head_dim: int, mask: str, keys_per_row: int | None = None) -> Sm90FwdTile:
+    """The tile of a head dim under a mask; `keys_per_row` bounds the keys a row sees (None: not
+    known, the head dim's own tile)."""
+    tile = _TILES[head_dim]
+    if mask == "local" and keys_per_row is not None and keys_per_row > tile.block_n:
+        return WIDE_BAND_TILES.get(head_dim, tile)
+    return tile
 
 
 TILE_SLOTS = 2  # Sm90FwdTraits::kTileSlots
@@ -152,12 +169,13 @@ class Sm90FwdVariant:
 
 
 def variant(head_dim: int, dtype: str, mask: str, score_mod: bool = False,
-            keys_per_row: int | None = None) -> Sm90FwdVariant:
+            keys_per_row: int | None = None, stage_o: bool = True) -> Sm90FwdVariant:
     """The kernel for a head dim, dtype, mask and score mods; `keys_per_row`, the most keys a query
-    row may see (None: O not staged under a band), picks where O is staged (stages_o_in_q)."""
+    row may see (None: not known), picks the tile (tile_for) and, unless stage_o is False, where O
+    is staged (stages_o_in_q; None: not staged under a band)."""
     mask_flags(mask)  # validates
-    return Sm90FwdVariant(head_dim, _TILES[head_dim], mask, dtype, bool(score_mod),
-                          stages_o_in_q(head_dim, mask, keys_per_row))
+    return Sm90FwdVariant(head_dim, tile_for(head_dim, mask, keys_per_row), mask, dtype, bool(score_mod),
+                          stages_o_in_q(head_dim, mask, keys_per_row if stage_o else None))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,16 +351,17 @@ class Sm90Forward(HopperFamily):
     def variant(self, problem, device) -> Sm90FwdVariant:
         # varlen stores O's fragments with either instance (a box would write over the next sequence's
         # rows), so it takes the one without O in the Q buffer under a band
-        keys = None if problem.is_varlen else problem.keys_per_row
-        return variant(problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod, keys)
+        return variant(problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod, problem.keys_per_row,
+                       stage_o=not problem.is_varlen)
 
     def variants(self, capability, smem_optin=None, head_dims=HEAD_DIMS, dtypes=("float16", "bfloat16"),
                  masks=("none", "causal", "local"), score_mods=(False, True), deterministic=(False, True)) -> list:
         if not self.runs_on(capability):
             return []
-        # each banded case also with O in the Q buffer where stages_o_in_q allows it (short rows)
+        # each banded case also with O in the Q buffer where stages_o_in_q allows it (short rows), and
+        # in the tile of wide bands (tile_for)
         found = [variant(d, dt, m, mod, keys) for d in head_dims if d in HEAD_DIMS for dt in dtypes for m in masks
-                 for mod in score_mods for keys in (None, 0)]
+                 for mod in score_mods for keys in (None, 0, MAX_ROWS)]
         return list(dict.fromkeys(found))
 
     def run(self, problem, device, q, k, v, out, lse) -> None:
