@@ -202,8 +202,9 @@ def kvcache_variants(capability, smem_optin=None, head_dims=kvcache.HEAD_DIMS, d
 
 # The option sets `flashcupy info` shows the dispatch of, by head dim.
 # (case, options, queries per sequence), over 4096 keys
-_DISPATCH_CASES = (("plain", {}, 4096), ("causal", {"causal": True}, 4096), ("window", {"window_size": (256, 0)}, 4096),
-                   ("softcap", {"softcap": 30.0}, 4096), ("1 query", {}, 1))
+_DISPATCH_CASES = (("plain", {}, 4096), ("causal", {"causal": True}, 4096),
+                   ("window", {"window_size": (256, 0)}, 4096), ("softcap", {"softcap": 30.0}, 4096),
+                   ("1 query", {}, 1))
 
 
 def dispatch_table(info, dtype="bfloat16") -> list:

@@ -21,11 +21,6 @@ from .launch import MAX_GRID_YZ
 from .registry import Family
 
 
-def packed_rows(problem) -> int:
-    """Packed query rows per (sequence, head group): seqlen_q times kvcache.heads_per_block."""
-    return problem.max_seqlen_q * kvcache.heads_per_block(problem)
-
-
 class DecodeForward(Family):
     name = "decode"
     direction = "fwd"
@@ -46,7 +41,7 @@ class DecodeForward(Family):
         return kvcache.unsupported(problem.head_dim, device)
 
     def passes_over(self, problem, device):
-        rows = packed_rows(problem)
+        rows = kvcache.packed_rows(problem)
         if rows > kvcache.DECODE_MAX_ROWS:
             return (f"{rows} packed query rows per kv head (over {kvcache.DECODE_MAX_ROWS}): the tiled forwards "
                     "are faster")
@@ -63,7 +58,7 @@ class DecodeForward(Family):
     def variant(self, problem, device):
         """The attention kernel for the problem's packed rows, before plan_launch picks its tile and
         cluster for the call (those instances are flash_attn_with_kvcache's too)."""
-        return kvcache.attention_variant(packed_rows(problem), problem.head_dim, problem.dtype, problem.band.mask,
+        return kvcache.attention_variant(kvcache.packed_rows(problem), problem.head_dim, problem.dtype, problem.band.mask,
                                          problem.score_mod, device.capability)
 
     def variants(self, capability, smem_optin=None, head_dims=kvcache.HEAD_DIMS, dtypes=DTYPE_NAMES, masks=MASKS,

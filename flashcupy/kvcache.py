@@ -256,6 +256,11 @@ def heads_per_block(problem) -> int:
     return 1 if o.alibi_slopes is not None or o.sinks is not None else problem.nheads // problem.nheads_k
 
 
+def packed_rows(problem) -> int:
+    """Packed query rows per (sequence, head group): seqlen_q times heads_per_block."""
+    return problem.max_seqlen_q * heads_per_block(problem)
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     """The attention kernel's launch for one call: grid (m_blocks x splits, nheads / pack, batch)."""
@@ -308,8 +313,7 @@ def plan_launch(problem: Problem, num_splits: int, device, clusters=resident_clu
     """The launch for `problem` (max_seqlen_k: the cache's capacity) with num_splits asked (0: the
     rule, num_splits_for) on `device` (a DeviceInfo); clusters(variant, device id): how many
     clusters of a cluster variant the GPU runs at once (resident_clusters)."""
-    pack = heads_per_block(problem)
-    rows = problem.max_seqlen_q * pack
+    pack, rows = heads_per_block(problem), packed_rows(problem)
     kernel = attention_variant(rows, problem.head_dim, problem.dtype, problem.band.mask, problem.score_mod,
                                device.capability)
     m_blocks = -(-rows // kernel.block_m)

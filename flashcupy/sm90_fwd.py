@@ -103,11 +103,11 @@ BANDED_O_IN_Q_MAX_KEYS = 1280
 BANDED_O_IN_Q_HEAD_DIMS = (256,)
 
 
-def stages_o_in_q(head_dim: int, mask: str, keys_per_row: int | None = None) -> bool:
-    """Whether a variant stages O in its Q buffer: where the tile has no room for O's own buffer,
-    always without a band; under a band at BANDED_O_IN_Q_HEAD_DIMS when a row sees at most
-    BANDED_O_IN_Q_MAX_KEYS keys (None: not staged, as varlen calls, which store O's fragments)."""
-    if o_buffer(head_dim, _TILES[head_dim]) != "q":
+def stages_o_in_q(head_dim: int, tile: Sm90FwdTile, mask: str, keys_per_row: int | None = None) -> bool:
+    """Whether a variant of this tile stages O in its Q buffer: where the tile has no room for O's
+    own buffer, always without a band; under a band at BANDED_O_IN_Q_HEAD_DIMS when a row sees at
+    most BANDED_O_IN_Q_MAX_KEYS keys (None: not staged, as varlen calls, which store O's fragments)."""
+    if o_buffer(head_dim, tile) != "q":
         return False
     if mask == "none":
         return True
@@ -174,8 +174,9 @@ def variant(head_dim: int, dtype: str, mask: str, score_mod: bool = False,
     row may see (None: not known), picks the tile (tile_for) and, unless stage_o is False, where O
     is staged (stages_o_in_q; None: not staged under a band)."""
     mask_flags(mask)  # validates
-    return Sm90FwdVariant(head_dim, tile_for(head_dim, mask, keys_per_row), mask, dtype, bool(score_mod),
-                          stages_o_in_q(head_dim, mask, keys_per_row if stage_o else None))
+    tile = tile_for(head_dim, mask, keys_per_row)
+    return Sm90FwdVariant(head_dim, tile, mask, dtype, bool(score_mod),
+                          stages_o_in_q(head_dim, tile, mask, keys_per_row if stage_o else None))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -106,9 +106,11 @@ def test_more_blocks_than_the_grid_holds_at_once():
     rng = np.random.default_rng(3)
     q = randn(rng, (96, 1, 16, 64), "float16")
     k, v = (randn(rng, (96, 300, 4, 64), "float16") for _ in range(2))
+    assert family_of(q, k, causal=True) == "decode"
     run_and_check(q, k, v, "float16", backend=None, causal=True)
     q = randn(rng, (1, 2, 32, 128), "bfloat16")
     k, v = (randn(rng, (1, 20000, 8, 128), "bfloat16") for _ in range(2))
+    assert family_of(q, k) == "decode" and _plan(q, k).splits > 1
     run_and_check(q, k, v, "bfloat16", backend=None)
 
 
@@ -124,6 +126,7 @@ def test_strided_broadcast_and_reversed_inputs():
     k = randn(rng, (b, n, 3, h, d), "bfloat16")[:, :, 1]
     v = cupy.ascontiguousarray(randn(rng, (b, h, n, d), "bfloat16")).transpose(0, 2, 1, 3)
     assert not q.flags.c_contiguous and not k.flags.c_contiguous and not v.flags.c_contiguous
+    assert family_of(q, k, causal=True) == "decode"
     run_and_check(q, k, v, "bfloat16", backend=None, causal=True)
     q = randn(rng, (3, 6, 8, 64), "bfloat16")[:, ::-1]
     k, v = (cupy.broadcast_to(randn(rng, (1, 129, 2, 64), "bfloat16"), (3, 129, 2, 64)) for _ in range(2))

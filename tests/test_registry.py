@@ -178,7 +178,7 @@ def test_few_queries_go_to_the_decode_forward():
     """The decode family takes a padded forward while seqlen_q x the query heads of a kv head fit the
     decode kernel's rows (one head per block with ALiBi slopes or sinks); past that it passes the
     problem over to the tiled families, and varlen it does not serve."""
-    from flashcupy import decode_fwd, kvcache
+    from flashcupy import kvcache
 
     def few(seqlen_q, nheads=32, nheads_k=8, head_dim=128, **options):
         return Problem.sketch(head_dim, "bfloat16", AttentionOptions(**options), seqlen_q, nheads, nheads_k,
@@ -194,7 +194,7 @@ def test_few_queries_go_to_the_decode_forward():
                 128, "bfloat16", "causal", False, *kvcache.decode_tile(128, device.capability))
     for seqlen_q, nheads_k in ((rows // 4 + 1, 8), (rows + 1, 32)):
         problem = few(seqlen_q, nheads_k=nheads_k)
-        assert decode_fwd.packed_rows(problem) > rows
+        assert kvcache.packed_rows(problem) > rows
         assert "packed query rows per kv head" in registry.families("fwd")[0].passes_over(problem, HOPPER)
         assert registry.select("fwd", problem, HOPPER).name == "sm90"
         assert registry.select("fwd", problem, AMPERE).name == "sm80"
@@ -203,7 +203,7 @@ def test_few_queries_go_to_the_decode_forward():
     # per-head score mods keep one query head per block: seqlen_q alone counts
     packed = few(8, nheads_k=8)
     one_head = dataclasses.replace(packed, options=dataclasses.replace(packed.options, sinks=object()))
-    assert decode_fwd.packed_rows(packed) == 32 and decode_fwd.packed_rows(one_head) == 8
+    assert kvcache.packed_rows(packed) == 32 and kvcache.packed_rows(one_head) == 8
     varlen = dataclasses.replace(few(1), cu_seqlens_q=object(), cu_seqlens_k=object())
     assert registry.families("fwd")[0].unsupported(varlen, HOPPER).startswith("varlen")
     assert registry.select("fwd", varlen, HOPPER).name == "sm90"
