@@ -158,7 +158,7 @@ __global__ void rotary_q_kernel(const __grid_constant__ DecodeParams p) {
 // adjacent, so they run together and the last of them merges soon after the first.
 template <int kBlockM, int kBlockN, bool Is_causal, bool Is_local>
 struct DecodeBlock {
-    int m_block, split, head0, pack, kv_head, batch, leftpad, seqlen_q, seqlen_k;
+    int m_block, split, head0, pack, kv_head, batch, leftpad, q_start, seqlen_q, seqlen_k;
     int rows_total, row0, rows_valid;
     int n_block_min, n_block_max;  // this split's key blocks; empty: it saw no key
     int mask_from, mask_below;     // keys >= mask_from, or (Is_local) < mask_below, are hidden from some row
@@ -171,7 +171,10 @@ struct DecodeBlock {
         head0 = blockIdx.y * pack;
         kv_head = head0 / p.heads_per_kv_head;
         batch = blockIdx.z;
-        seqlen_q = p.max_seqlen_q;
+        // varlen (flash_attn_varlen_func's packed q, out and LSE): the sequence's rows from q_start;
+        // its keys are those of a one-entry cache from leftpad = cu_seqlens_k[batch] (kvcache.launch)
+        q_start = p.cu_seqlens_q ? p.cu_seqlens_q[batch] : 0;
+        seqlen_q = p.cu_seqlens_q ? p.cu_seqlens_q[batch + 1] - q_start : p.max_seqlen_q;
         leftpad = p.cache_leftpad ? p.cache_leftpad[batch] : 0;
         // keys, the new ones included; without lengths (flash_attn_func's k, v) every sequence is full
         seqlen_k = (p.cache_seqlens ? p.cache_seqlens[batch] : p.max_seqlen_k) + p.seqlen_new - leftpad;
@@ -194,25 +197,26 @@ struct DecodeBlock {
         n_block_min = n_first + split * per + min(split, extra);
         n_block_max = n_block_min + per + (split < extra);
     }
-    FC_DEVICE int query(int r) const { return (row0 + r) / pack; }  // of block row r
+    FC_DEVICE int query(int r) const { return (row0 + r) / pack; }  // of block row r, in its sequence
+    FC_DEVICE i64 q_row(int r) const { return q_start + query(r); }  // in q, out and the LSE
     FC_DEVICE int head(int r) const { return head0 + (row0 + r) % pack; }
     // Does a 16-key group from key0 hold a key hidden from some row (or past the last key)?
     FC_DEVICE bool needs_mask(int key0, int keys) const {
         return key0 + keys > mask_from || (Is_local && key0 < mask_below);
     }
-    // The (query, head) slot of block row r in lse-shaped arrays: (batch, nheads, seqlen_q).
+    // The (query, head) slot of block row r in the partials' (batch, nheads, max_seqlen_q).
     FC_DEVICE i64 slot(const DecodeParams& p, int r) const {
-        return (i64(batch) * p.nheads + head(r)) * seqlen_q + query(r);
+        return (i64(batch) * p.nheads + head(r)) * p.max_seqlen_q + query(r);
     }
     FC_DEVICE u16* out_row(const DecodeParams& p, int r) const {
-        return p.out + batch * p.o_batch_stride + i64(query(r)) * p.o_row_stride + head(r) * p.o_head_stride;
+        return p.out + batch * p.o_batch_stride + q_row(r) * p.o_row_stride + head(r) * p.o_head_stride;
     }
     FC_DEVICE float* lse_at(const DecodeParams& p, int r) const {
-        return p.lse + batch * p.lse_batch_stride + head(r) * p.lse_head_stride + query(r);
+        return p.lse + batch * p.lse_batch_stride + head(r) * p.lse_head_stride + q_row(r);
     }
     // Where split `split` keeps block row r's partial LSE (and, times the head dim, its output).
     FC_DEVICE i64 partial_slot(const DecodeParams& p, int r) const {
-        return i64(split) * p.batch * p.nheads * seqlen_q + slot(p, r);
+        return i64(split) * p.batch * p.nheads * p.max_seqlen_q + slot(p, r);
     }
     // This q block's count of stored splits: p.split_counters is (batch, kv head groups, q blocks).
     FC_DEVICE int* split_counter(const DecodeParams& p) const {
@@ -235,7 +239,7 @@ FC_DEVICE void load_q(u32 s_tile, const DecodeParams& p, const Block& blk, int t
     for (int i = tid; i < kRows * kChunks; i += kThreads) {
         const int r = i / kChunks, chunk = i % kChunks;
         const bool valid = r < blk.rows_valid;
-        const u16* src = valid ? p.q + blk.batch * p.q_batch_stride + i64(blk.query(r)) * p.q_row_stride
+        const u16* src = valid ? p.q + blk.batch * p.q_batch_stride + blk.q_row(r) * p.q_row_stride
                                          + blk.head(r) * p.q_head_stride + chunk * 8
                                : p.q;
         cp_async_16(s_tile + (r * SmemTile<kHeadDim>::kPitch + chunk * 8) * 2, src, valid ? 16 : 0);

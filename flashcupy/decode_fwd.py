@@ -1,5 +1,6 @@
-"""The decode forward family: flash_attn_func over few queries per sequence on the kv-cache kernels
-(cuda_src/decode.cu), k and v read as a full cache.
+"""The decode forward family: flash_attn_func and flash_attn_varlen_func over few queries per
+sequence on the kv-cache kernels (cuda_src/decode.cu), k and v read as a full cache (varlen: one
+cache entry, each sequence's keys from its first row).
 
 With a handful of query rows per kv head, the tiled forwards waste their tiles: a 128-row tile per
 (q block, head) holds seqlen_q valid rows, K and V are read once per query head, and batch x heads
@@ -32,8 +33,6 @@ class DecodeForward(Family):
         return capability >= 80
 
     def unsupported(self, problem, device):
-        if problem.is_varlen:
-            return "varlen: its kernels read a (batch, seqlen, heads, dim) cache"
         groups = problem.nheads // kvcache.heads_per_block(problem)
         if problem.batch > MAX_GRID_YZ or groups > MAX_GRID_YZ:
             return (f"its grid has the batch ({problem.batch}) on z and the head groups ({groups}) on y, each at "
@@ -79,5 +78,10 @@ class DecodeForward(Family):
 
     def run(self, problem, device, q, k, v, out, lse):
         """Launches over k and v as full caches; returns the call's launches with the split partials
-        they allocate (a replay.CallReplay: run again with out and the LSE given)."""
+        they allocate (a replay.CallReplay: run again with out and the LSE given). Varlen k and v
+        are one cache entry whose sequence b holds rows cu_seqlens_k[b] to cu_seqlens_k[b + 1]: its
+        left padding and its length, counted from row 0 (views of cu_seqlens_k, no copy)."""
+        if problem.is_varlen:
+            cu_k = problem.cu_seqlens_k
+            return kvcache.launch(problem, q, k, v, out, lse, device, seqlens=cu_k[1:], leftpad=cu_k[:-1])
         return kvcache.launch(problem, q, k, v, out, lse, device)

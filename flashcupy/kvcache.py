@@ -594,8 +594,8 @@ def launch(problem, q, k_cache, v_cache, out, lse, device, *, k=None, v=None, se
         raise ValueError("appending keys or rotating queries needs cache_seqlens")
     import cupy
 
-    batch, seqlen_q, nheads, head_dim = q.shape
-    nheads_k = k_cache.shape[2]
+    batch, seqlen_q, nheads, head_dim = problem.batch, problem.max_seqlen_q, problem.nheads, problem.head_dim
+    nheads_k = k_cache.shape[-2]
     plan = plan_launch(problem, num_splits, device)
     main, pack, m_blocks, splits = plan.kernel, plan.pack, plan.m_blocks, plan.splits
     partial = splits > 1 and main.cluster == 1  # a cluster merges in shared memory

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import REL_TOL, check_grads, forward_against_reference, randn, rel_err, requires_gpu, to_host64
+from gpu_helpers import (REL_TOL, check_grads, check_lse, forward_against_reference, poison_pool, randn, rel_err,
+                         requires_gpu, to_host64)
 
 pytestmark = requires_gpu
 
@@ -185,3 +186,94 @@ def test_backward_of_its_forward():
     grads = attn.backward(dout)
     refs = attention_bwd_ref(*(to_host64(a) for a in (dout, q, k, v)), causal=True, sinks=to_host64(sinks))
     check_grads(grads, refs, "bfloat16", "decode forward")
+
+
+def varlen_family_of(q, k, cu_q, cu_k, max_q, max_k, **options) -> str:
+    """The forward family flash_attn_varlen_func takes for these arrays and options on this GPU."""
+    from flashcupy import api
+    from flashcupy.device import device_info
+    from flashcupy.problem import AttentionOptions, Problem
+
+    problem = Problem.varlen(q, k, "bfloat16", AttentionOptions(**options), cu_q, cu_k, max_q, max_k, True,
+                             read=(q, k))
+    return api.family_for("fwd", problem, device_info(q.device.id)).name
+
+
+def varlen_against_reference(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype_name, rng, family="decode",
+                             **options):
+    """flash_attn_varlen_func as dispatched (asserted to take `family`) over poisoned memory against
+    the float64 reference, each sequence's rows on their own; options given as host arrays go to the
+    GPU for the call."""
+    import cupy
+
+    import flashcupy
+    from flashcupy.reference import attention_varlen_ref
+
+    q = randn(rng, (sum(lengths_q), nheads, head_dim), dtype_name)
+    k, v = (randn(rng, (sum(lengths_k), nheads_k, head_dim), dtype_name) for _ in range(2))
+    cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(x)]).astype(np.int32)) for x in (lengths_q, lengths_k))
+    sizes = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    on_gpu = {n: cupy.asarray(a) if isinstance(a, np.ndarray) else a for n, a in options.items()}
+    assert varlen_family_of(q, k, *sizes, **on_gpu) == family
+    poison_pool((q.shape, q.dtype), ((nheads, q.shape[0]), cupy.float32))
+    out, lse = flashcupy.flash_attn_varlen_func(q, k, v, *sizes, return_lse=True, **on_gpu)
+    ref, ref_lse = attention_varlen_ref(to_host64(q), to_host64(k), to_host64(v), cu_q.get(), cu_k.get(), **options)
+    out_h = to_host64(out)
+    assert not np.isnan(out_h).any(), "unwritten (poisoned) or NaN output elements"
+    bounds = cu_q.get()
+    for b in range(len(lengths_q)):
+        rows = slice(bounds[b], bounds[b + 1])
+        if rows.start < rows.stop and np.abs(ref[rows]).max() > 0:
+            assert rel_err(out_h[rows], ref[rows]) < REL_TOL[dtype_name], (b, lengths_q[b], lengths_k[b])
+        else:
+            assert np.array_equal(out_h[rows], ref[rows]), (b, "rows without keys are zeros")
+    check_lse(lse, ref_lse)
+
+
+# (query lengths, key lengths): one-token, short and empty sequences in every position of the batch;
+# ragged keys, none among them
+VARLEN_BATCHES = [([1], [4099]), ([1, 1, 1, 1], [1, 17, 127, 129]), ([3, 0, 1, 2, 1], [1000, 5, 0, 4099, 129]),
+                  ([8, 1, 4], [127, 4099, 17]), ([0, 2, 0], [17, 1000, 1])]
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}-{h[1]}")
+@pytest.mark.parametrize("lengths", VARLEN_BATCHES, ids=lambda x: "-".join(map(str, x[0])))
+def test_varlen_batches_of_few_queries(lengths, heads):
+    """flash_attn_varlen_func with few queries per sequence: every mask and alignment, each
+    sequence's band from its own lengths (causal rows past a short sequence's keys see none)."""
+    from flashcupy import kvcache
+
+    lengths_q, lengths_k = lengths
+    nheads, nheads_k = heads
+    fits = max(lengths_q) * nheads // nheads_k <= kvcache.DECODE_MAX_ROWS
+    rng = np.random.default_rng(sum(lengths_k) + nheads_k)
+    for causal, window_size, alignment in MASKS:
+        varlen_against_reference(lengths_q, lengths_k, nheads, nheads_k, 128, "bfloat16", rng,
+                                 "decode" if fits else "sm90" if _hopper() else "sm80",
+                                 causal=causal, window_size=window_size, alignment=alignment)
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("mods", MODS, ids=lambda m: "-".join(map(str, m)))
+def test_varlen_head_dims_dtypes_and_score_mods(dtype_name, head_dim, mods):
+    """softcap, ALiBi (per head and per sequence) and sinks on varlen batches, causal with more
+    queries than keys in one sequence (rows with only the sink)."""
+    softcap, alibi, sinks = mods
+    lengths_q, lengths_k, nheads = [2, 1, 5, 1], [700, 3, 1000, 0], 4
+    rng = np.random.default_rng(head_dim + 7 * len(dtype_name))
+    options = dict(causal=True, softcap=softcap,
+                   alibi_slopes=None if alibi is None else
+                   rng.uniform(0.01, 0.3, (nheads,) if alibi == "heads" else (len(lengths_q), nheads)).astype(np.float32),
+                   sinks=rng.uniform(-1.0, 3.0, nheads).astype(np.float32) if sinks else None)
+    varlen_against_reference(lengths_q, lengths_k, nheads, 2, head_dim, dtype_name, rng, **options)
+
+
+def test_varlen_many_sequences_and_long_split_keys():
+    """Sequences x heads far beyond twice the SM count; then two sequences whose keys the plan splits
+    over many blocks (merged by LSE), the second's rows at an offset in q, k and v."""
+    rng = np.random.default_rng(17)
+    lengths_k = rng.integers(0, 400, 300)
+    lengths_k[::37] = 1
+    varlen_against_reference([1] * 300, lengths_k.tolist(), 16, 4, 64, "float16", rng, causal=True)
+    varlen_against_reference([1, 3], [20000, 9000], 32, 8, 128, "bfloat16", rng)

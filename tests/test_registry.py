@@ -177,7 +177,7 @@ def test_a_family_that_passes_over_a_problem_yields_to_the_next():
 def test_few_queries_go_to_the_decode_forward():
     """The decode family takes a padded forward while seqlen_q x the query heads of a kv head fit the
     decode kernel's rows (one head per block with ALiBi slopes or sinks); past that it passes the
-    problem over to the tiled families, and varlen it does not serve."""
+    problem over to the tiled families. Varlen problems count their longest sequence's queries."""
     from flashcupy import kvcache
 
     def few(seqlen_q, nheads=32, nheads_k=8, head_dim=128, **options):
@@ -204,11 +204,9 @@ def test_few_queries_go_to_the_decode_forward():
     packed = few(8, nheads_k=8)
     one_head = dataclasses.replace(packed, options=dataclasses.replace(packed.options, sinks=object()))
     assert kvcache.packed_rows(packed) == 32 and kvcache.packed_rows(one_head) == 8
-    varlen = dataclasses.replace(few(1), cu_seqlens_q=object(), cu_seqlens_k=object())
-    assert registry.families("fwd")[0].unsupported(varlen, HOPPER).startswith("varlen")
-    assert registry.select("fwd", varlen, HOPPER).name == "sm90"
-    with pytest.raises(ValueError, match="backend= 'decode' cannot compute this fwd: varlen"):
-        registry.select("fwd", varlen, HOPPER, "decode")
+    for seqlen_q, family in ((1, "decode"), (rows // 4, "decode"), (rows // 4 + 1, "sm90")):
+        varlen = dataclasses.replace(few(seqlen_q), cu_seqlens_q=object(), cu_seqlens_k=object())
+        assert registry.select("fwd", varlen, HOPPER).name == family, seqlen_q
     assert registry.families("fwd")[0].unsupported(few(1), TURING).startswith("needs compute capability 8.0")
 
 
