@@ -178,7 +178,7 @@ struct DecodeBlock {
         leftpad = p.cache_leftpad ? p.cache_leftpad[batch] : 0;
         // keys, the new ones included; without lengths (flash_attn_func's k, v) every sequence is full
         seqlen_k = (p.cache_seqlens ? p.cache_seqlens[batch] : p.max_seqlen_k) + p.seqlen_new - leftpad;
-        rows_total = seqlen_q * pack;
+        rows_total = min(seqlen_q, p.max_seqlen_q) * pack;  // the grid's and the partials' rows at most
         row0 = m_block * kBlockM;
         rows_valid = max(0, min(kBlockM, rows_total - row0));
         mask.seqlen_q = seqlen_q;

@@ -94,8 +94,8 @@ struct DecodeParams : FwdParams {  // q, k, v: the queries (rotated, with rotary
     const int* cache_batch_idx;  // (batch) cache entry of each sequence; null: its own
     const int* cache_leftpad;    // (batch) first key row; null: 0
     const int* block_table;      // (batch, max_blocks) block indices of a paged cache; null: contiguous
-    float* out_partial;          // (splits, batch, nheads, seqlen_q, headdim) float32 when num_splits > 1
-    float* lse_partial;          // (splits, batch, nheads, seqlen_q)
+    float* out_partial;          // (splits, batch, nheads, max_seqlen_q, headdim) float32 when num_splits > 1
+    float* lse_partial;          // (splits, batch, nheads, max_seqlen_q)
     int* split_counters;         // (batch, kv head groups, q blocks) splits stored so far; zero between launches
     i64 knew_batch_stride;
     i64 knew_row_stride;

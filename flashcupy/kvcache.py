@@ -592,6 +592,8 @@ def launch(problem, q, k_cache, v_cache, out, lse, device, *, k=None, v=None, se
     and the query rotation need them."""
     if seqlens is None and (k is not None or rotary_cos is not None):
         raise ValueError("appending keys or rotating queries needs cache_seqlens")
+    if problem.is_varlen and (k is not None or rotary_cos is not None or block_table is not None):
+        raise ValueError("a varlen batch is read as one contiguous cache entry: no append, rotation or pages")
     import cupy
 
     batch, seqlen_q, nheads, head_dim = problem.batch, problem.max_seqlen_q, problem.nheads, problem.head_dim

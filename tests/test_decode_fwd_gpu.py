@@ -188,21 +188,37 @@ def test_backward_of_its_forward():
     check_grads(grads, refs, "bfloat16", "decode forward")
 
 
+def _varlen_problem(q, k, cu_q, cu_k, max_q, max_k, **options):
+    from flashcupy.problem import AttentionOptions, Problem
+    from flashcupy.validation import dtype_name
+
+    return Problem.varlen(q, k, dtype_name(q.dtype), AttentionOptions(**options), cu_q, cu_k, max_q, max_k, False,
+                          read=(q, k))
+
+
 def varlen_family_of(q, k, cu_q, cu_k, max_q, max_k, **options) -> str:
     """The forward family flash_attn_varlen_func takes for these arrays and options on this GPU."""
     from flashcupy import api
     from flashcupy.device import device_info
-    from flashcupy.problem import AttentionOptions, Problem
 
-    problem = Problem.varlen(q, k, "bfloat16", AttentionOptions(**options), cu_q, cu_k, max_q, max_k, True,
-                             read=(q, k))
-    return api.family_for("fwd", problem, device_info(q.device.id)).name
+    return api.family_for("fwd", _varlen_problem(q, k, cu_q, cu_k, max_q, max_k, **options),
+                          device_info(q.device.id)).name
+
+
+def _varlen_plan(q, k, cu_q, cu_k, max_q, max_k, **options):
+    """The decode kernels' launch plan for flash_attn_varlen_func's problem of these arrays."""
+    from flashcupy import kvcache
+    from flashcupy.device import device_info
+
+    return kvcache.plan_launch(_varlen_problem(q, k, cu_q, cu_k, max_q, max_k, **options), 0,
+                               device_info(q.device.id))
 
 
 def varlen_against_reference(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype_name, rng, family="decode",
-                             **options):
-    """flash_attn_varlen_func as dispatched (asserted to take `family`) over poisoned memory against
-    the float64 reference, each sequence's rows on their own; options given as host arrays go to the
+                             merge=None, **options):
+    """flash_attn_varlen_func as dispatched (asserted to take `family`; with merge "count" or
+    "cluster", asserted to split the keys and merge that way) over poisoned memory against the
+    float64 reference, each sequence's rows on their own; options given as host arrays go to the
     GPU for the call."""
     import cupy
 
@@ -215,6 +231,9 @@ def varlen_against_reference(lengths_q, lengths_k, nheads, nheads_k, head_dim, d
     sizes = (cu_q, cu_k, max(lengths_q), max(lengths_k))
     on_gpu = {n: cupy.asarray(a) if isinstance(a, np.ndarray) else a for n, a in options.items()}
     assert varlen_family_of(q, k, *sizes, **on_gpu) == family
+    if merge is not None:
+        plan = _varlen_plan(q, k, *sizes, **on_gpu)
+        assert plan.splits > 1 and (plan.kernel.cluster > 1) == (merge == "cluster"), plan
     poison_pool((q.shape, q.dtype), ((nheads, q.shape[0]), cupy.float32))
     out, lse = flashcupy.flash_attn_varlen_func(q, k, v, *sizes, return_lse=True, **on_gpu)
     ref, ref_lse = attention_varlen_ref(to_host64(q), to_host64(k), to_host64(v), cu_q.get(), cu_k.get(), **options)
@@ -258,9 +277,9 @@ def test_varlen_batches_of_few_queries(lengths, heads):
 @pytest.mark.parametrize("mods", MODS, ids=lambda m: "-".join(map(str, m)))
 def test_varlen_head_dims_dtypes_and_score_mods(dtype_name, head_dim, mods):
     """softcap, ALiBi (per head and per sequence) and sinks on varlen batches, causal with more
-    queries than keys in one sequence (rows with only the sink)."""
+    queries than keys in one sequence (its first rows see no key: only the sink) and none in another."""
     softcap, alibi, sinks = mods
-    lengths_q, lengths_k, nheads = [2, 1, 5, 1], [700, 3, 1000, 0], 4
+    lengths_q, lengths_k, nheads = [2, 5, 1, 1], [700, 3, 1000, 0], 4
     rng = np.random.default_rng(head_dim + 7 * len(dtype_name))
     options = dict(causal=True, softcap=softcap,
                    alibi_slopes=None if alibi is None else
@@ -270,10 +289,52 @@ def test_varlen_head_dims_dtypes_and_score_mods(dtype_name, head_dim, mods):
 
 
 def test_varlen_many_sequences_and_long_split_keys():
-    """Sequences x heads far beyond twice the SM count; then two sequences whose keys the plan splits
-    over many blocks (merged by LSE), the second's rows at an offset in q, k and v."""
+    """Sequences x heads far beyond twice the SM count; then sequences whose keys the plan splits over
+    blocks merged by the count (past the clusters' key cap) and, on Hopper, in a cluster, the later
+    sequences' rows at an offset in q, k and v."""
     rng = np.random.default_rng(17)
     lengths_k = rng.integers(0, 400, 300)
     lengths_k[::37] = 1
     varlen_against_reference([1] * 300, lengths_k.tolist(), 16, 4, 64, "float16", rng, causal=True)
-    varlen_against_reference([1, 3], [20000, 9000], 32, 8, 128, "bfloat16", rng)
+    varlen_against_reference([1, 3, 2], [20000, 9000, 5000], 32, 8, 128, "bfloat16", rng, merge="count")
+    if _hopper():  # 8 clusters of 8 blocks
+        varlen_against_reference([2, 1], [2000, 3000], 32, 4, 128, "bfloat16", rng, merge="cluster")
+
+
+def test_varlen_unchecked_replays_read_new_lengths_and_stay_in_bounds():
+    """With check_cu_seqlens=False a repeated call replays its launches and reads the lengths the
+    cu_seqlens arrays hold now. A sequence longer than max_seqlen_q (a caller's error the unchecked
+    call cannot see) gets its first max_seqlen_q rows computed, and the split partials of its rows
+    past them go nowhere: every other (sequence, head) stays right."""
+    import cupy
+
+    import flashcupy
+    from flashcupy.reference import attention_varlen_ref
+
+    rng = np.random.default_rng(23)
+    nheads, nheads_k, d = 8, 8, 128
+    q = randn(rng, (6, nheads, d), "bfloat16")
+    k, v = (randn(rng, (15000, nheads_k, d), "bfloat16") for _ in range(2))
+    cu_q = cupy.asarray([0, 1, 3, 6], cupy.int32)
+    cu_k = cupy.asarray([0, 7000, 8000, 15000], cupy.int32)
+    sizes = (cu_q, cu_k, 3, 7000)
+    assert varlen_family_of(q, k, *sizes) == "decode"
+    plan = _varlen_plan(q, k, *sizes)
+    assert plan.splits > 1 and plan.kernel.cluster == 1  # partials in global memory
+
+    def check(out, bounds_q, bounds_k, rows):
+        ref, _ = attention_varlen_ref(*(to_host64(a) for a in (q, k, v)), bounds_q, bounds_k, causal=True)
+        out_h = to_host64(out)
+        assert rel_err(out_h[rows], ref[rows]) < REL_TOL["bfloat16"]
+
+    first = flashcupy.flash_attn_varlen_func(q, k, v, *sizes, causal=True, check_cu_seqlens=False)
+    check(first, cu_q.get(), cu_k.get(), slice(0, 6))
+    cu_q[...] = cupy.asarray([0, 2, 3, 6], cupy.int32)
+    cu_k[...] = cupy.asarray([0, 6000, 7000, 15000], cupy.int32)  # the last sequence holds 8000 keys now
+    again = flashcupy.flash_attn_varlen_func(q, k, v, *sizes, causal=True, check_cu_seqlens=False)
+    check(again, cu_q.get(), cu_k.get(), slice(0, 6))
+    # four queries in the first sequence, max_seqlen_q still 3: rows 0-2 are computed, row 3 is not
+    cu_q[...] = cupy.asarray([0, 4, 5, 6], cupy.int32)
+    poison_pool((q.shape, q.dtype))
+    past = flashcupy.flash_attn_varlen_func(q, k, v, *sizes, causal=True, check_cu_seqlens=False)
+    check(past, cu_q.get(), cu_k.get(), [0, 1, 2, 4, 5])

@@ -486,3 +486,20 @@ def test_a_window_bounds_the_split_count():
     assert splits((256, 0)) == 2  # 257 keys
     assert splits((1023, 0), seqlen_q=8) == 8  # 1031 keys for the block's rows
     assert splits((0, 0)) == 1
+
+
+def test_launch_refuses_appends_rotation_and_pages_on_varlen_or_without_lengths():
+    """kvcache.launch reads a varlen batch as one contiguous cache entry (the decode forward family):
+    an append, a query rotation or a block table there, or an append or rotation without lengths,
+    is refused before anything is allocated or launched."""
+    from flashcupy.problem import AttentionOptions, Problem
+
+    padded = Problem.sketch(128, "bfloat16", AttentionOptions(), 1, 8, 2, batch=2, seqlen_k=300)
+    varlen = dataclasses.replace(padded, cu_seqlens_q=object(), cu_seqlens_k=object())
+    for problem, extra in ((varlen, {"k": object(), "seqlens": object()}),
+                           (varlen, {"rotary_cos": object(), "seqlens": object()}),
+                           (varlen, {"block_table": object()})):
+        with pytest.raises(ValueError, match="varlen batch is read as one contiguous cache entry"):
+            kvcache.launch(problem, None, None, None, None, None, None, **extra)
+    with pytest.raises(ValueError, match="needs cache_seqlens"):
+        kvcache.launch(padded, None, None, None, None, None, None, k=object())
