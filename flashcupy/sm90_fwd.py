@@ -55,21 +55,27 @@ class Sm90FwdTile:
 _TILES = {64: Sm90FwdTile(192, 128, 2, ping_pong=True),
           128: Sm90FwdTile(128, 128, 2, ping_pong=True, advance_descs=True),
           192: Sm90FwdTile(128, 96, 2), 256: Sm90FwdTile(128, 80, 2)}
-# d = 64 under a band wider than a key block: two consumer warpgroups (240 registers each) where the
-# three of _TILES spill the band's state (ptxas: 92 / 88 bytes of spill stores / loads at 160
-# registers). H200, same process, 5 alternating rounds, speed two / three at 1k / 4k / 16k tokens:
-# causal windows of 256 keys 1.27 / 1.13 / 1.31, of 1024 keys 1.13 / 1.03 / 1.01, a top-left band
-# of 257 keys 0.93 / 1.01 / 1.00; a 65-key top-left band (one key block per q block) 0.95 / 0.93 /
-# 0.92 in an earlier run: it keeps three.
-WIDE_BAND_TILES = {64: Sm90FwdTile(128, 128, 2, ping_pong=True)}
+# d = 64 on two consumer warpgroups (240 registers each, 128-row q blocks) instead of three:
+# - under a band wider than a key block, where the three of _TILES spill the band's state (ptxas:
+#   92 / 88 bytes of spill stores / loads at 160 registers). H200, same process, 5 alternating
+#   rounds, speed two / three at 1k / 4k / 16k tokens: causal windows of 256 keys 1.27 / 1.13 /
+#   1.31, of 1024 keys 1.13 / 1.03 / 1.01, a top-left band of 257 keys 0.93 / 1.01 / 1.00; a 65-key
+#   top-left band (one key block per q block) 0.95 / 0.93 / 0.92 in an earlier run: it keeps three;
+# - causal over rows of at most SHORT_CAUSAL_KEYS keys, where 128-row q blocks compute less of the
+#   diagonal's key blocks (at 1k, 11% fewer scores than 192-row ones). H200, 3 alternating rounds,
+#   speed two / three at seqlen 512 / 1k / 2k / 4k / 16k: 1.07 / 1.08 / 0.96 / 0.93 / 0.87
+#   (without a mask 0.95 at 512 and 1k).
+TWO_CONSUMER_TILES = {64: Sm90FwdTile(128, 128, 2, ping_pong=True)}
+SHORT_CAUSAL_KEYS = 1024
 
 
 def tile_for(head_dim: int, mask: str, keys_per_row: int | None = None) -> Sm90FwdTile:
     """The tile of a head dim under a mask; `keys_per_row` bounds the keys a row sees (None: not
     known, the head dim's own tile)."""
     tile = _TILES[head_dim]
-    if mask == "local" and keys_per_row is not None and keys_per_row > tile.block_n:
-        return WIDE_BAND_TILES.get(head_dim, tile)
+    if keys_per_row is not None and ((mask == "local" and keys_per_row > tile.block_n)
+                                     or (mask == "causal" and keys_per_row <= SHORT_CAUSAL_KEYS)):
+        return TWO_CONSUMER_TILES.get(head_dim, tile)
     return tile
 
 

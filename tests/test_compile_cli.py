@@ -14,11 +14,11 @@ from cli_helpers import FAKE_GPU, invoke, on_gpu
 
 # per Hopper device: fwd decode (the decode and prefill kernels, 6 head dims x 2 dtypes x 3 masks x
 # score mods, all of them kv-cache kernels too), sm90 (4 head dims x 2 dtypes x 3 masks x score mods
-# off/on, at d=256 the banded ones again with O in the Q buffer: 2 x 2 x 2, and at d=64 the local ones
-# in the tile of wide bands: 2 x 2) and sm80 (6 head dims ...), bwd sm90 (d=64, 128 with every option)
+# off/on, at d=256 the banded ones again with O in the Q buffer: 2 x 2 x 2, and at d=64 the local and
+# causal ones in the two-consumer tile: 2 x 2 x 2) and sm80 (6 head dims ...), bwd sm90 (d=64, 128 with every option)
 # and sm80 (144 main + 36 helpers)
 DECODE_FWD_KERNELS = 72 + 72
-FWD_KERNELS = DECODE_FWD_KERNELS + 48 + 8 + 4 + 72
+FWD_KERNELS = DECODE_FWD_KERNELS + 48 + 8 + 8 + 72
 BWD_KERNELS = 76 + 180  # sm90 (d=64, 128, 256 x 2 dtypes x 3 masks x deterministic, score mods; the causal
 # d=128 step of short problems x 2 dtypes x deterministic), sm80 main + helpers
 # flash_attn_with_kvcache: decode and prefill kernels (6 head dims x 2 dtypes x 3 masks x score mods), the
@@ -116,7 +116,9 @@ def test_variant_lists_filter():
                                      "prefill d=64 bfloat16 mask=causal tile=64x64",
                                      "prefill d=64 bfloat16 mask=causal+score_mod tile=64x64",
                                      "fwd-sm90 d=64 bfloat16 mask=causal tile=192x128 stages=2 ping-pong",
+                                     "fwd-sm90 d=64 bfloat16 mask=causal tile=128x128 stages=2 ping-pong",
                                      "fwd-sm90 d=64 bfloat16 mask=causal+score_mod tile=192x128 stages=2 ping-pong",
+                                     "fwd-sm90 d=64 bfloat16 mask=causal+score_mod tile=128x128 stages=2 ping-pong",
                                      "fwd d=64 bfloat16 mask=causal tile=128x128 warps=4",
                                      "fwd d=64 bfloat16 mask=causal+score_mod tile=128x128 warps=4"]
     bwd = cli.bwd_variants(90, head_dims=(64,), dtypes=("bfloat16",), masks=("causal",), deterministic=(False,),
@@ -251,7 +253,7 @@ class FakePool:
 
 
 @pytest.mark.parametrize("args, count", [
-    (["--head-dims", "64", "--dtype", "bf16", "--direction", "fwd", "--score-mod", "off"], 3 + 3 + 4 + 3),
+    (["--head-dims", "64", "--dtype", "bf16", "--direction", "fwd", "--score-mod", "off"], 3 + 3 + 5 + 3),
     (["--direction", "fwd"], FWD_KERNELS),
     ([], ALL_KERNELS),
     (["--direction", "bwd", "--head-dims", "64,128", "--causal", "on", "--deterministic", "off"], 18 + 16 + 12),
@@ -422,11 +424,11 @@ def test_compile_then_info_gpu(cache):
     # one forward kernel per family that runs here, mask mode and score mods off/on
     n = len(cli.fwd_variants(info.capability, info.smem_per_block_optin, head_dims=(64,), dtypes=("bfloat16",)))
     # each family serves d = 64; the decode forward with two kernels (decode and prefill) per case,
-    # and sm90 a second local kernel for bands wider than a key block (its two-consumer tile)
+    # and sm90 a second local and causal kernel (its two-consumer tile: wide bands, short causal rows)
     kernels = sum((2 if f.name == "decode" else 1) * f.runs_on(info.capability) for f in registry.families("fwd"))
     sm90_runs = any(f.name == "sm90" and f.runs_on(info.capability) for f in registry.families("fwd"))
-    wide_band = 2 * (64 in sm90_fwd.WIDE_BAND_TILES) * sm90_runs
-    assert n == len(configs.MASKS) * 2 * kernels + wide_band
+    two_consumer = 2 * 2 * (64 in sm90_fwd.TWO_CONSUMER_TILES) * sm90_runs
+    assert n == len(configs.MASKS) * 2 * kernels + two_consumer
     assert f"{n} of {n} kernels" in result.stdout and "FAIL" not in result.stdout
     cubins = sorted(cache.glob("*.cubin"))
     assert len(cubins) >= n  # CuPy's own cache files, written by the workers

@@ -190,25 +190,31 @@ def test_dq_accum_is_head_major():
     assert view.shape == (7, 3, 4) and view[6, 2, 1] == packed[2, 6, 1]
 
 
-def test_wide_bands_at_head_dim_64_take_two_consumer_warpgroups():
-    """d = 64 under a band wider than one key block runs WIDE_BAND_TILES's two consumer warpgroups;
-    narrower bands, unknown widths, the other masks and head dims keep _TILES's."""
+def test_head_dim_64_takes_two_consumer_warpgroups_for_wide_bands_and_short_causal_rows():
+    """d = 64 runs TWO_CONSUMER_TILES's two consumer warpgroups under a band wider than one key block
+    and causal over rows of at most SHORT_CAUSAL_KEYS keys; narrower bands, longer causal rows,
+    unknown widths, no mask and the other head dims keep _TILES's."""
     from flashcupy.device import DeviceInfo
 
-    three, two = sm90_fwd._TILES[64], sm90_fwd.WIDE_BAND_TILES[64]
+    three, two = sm90_fwd._TILES[64], sm90_fwd.TWO_CONSUMER_TILES[64]
     assert (three.block_m, two.block_m) == (192, 128)
-    block_n = three.block_n
-    assert sm90_fwd.tile_for(64, "local", block_n + 1) == two
-    for mask, keys in (("local", block_n), ("local", None), ("causal", 10 ** 6), ("none", 10 ** 6)):
-        assert sm90_fwd.tile_for(64, mask, keys) == three
+    block_n, short = three.block_n, sm90_fwd.SHORT_CAUSAL_KEYS
+    for mask, keys in (("local", block_n + 1), ("causal", short), ("causal", 1)):
+        assert sm90_fwd.tile_for(64, mask, keys) == two, (mask, keys)
+    for mask, keys in (("local", block_n), ("local", None), ("causal", short + 1), ("causal", None),
+                       ("none", 1), ("none", 10 ** 6)):
+        assert sm90_fwd.tile_for(64, mask, keys) == three, (mask, keys)
     for d in (128, 192, 256):
-        assert sm90_fwd.tile_for(d, "local", 10 ** 6) == sm90_fwd._TILES[d]
+        for mask, keys in (("local", 10 ** 6), ("causal", 512)):
+            assert sm90_fwd.tile_for(d, mask, keys) == sm90_fwd._TILES[d]
     family = sm90_fwd.Sm90Forward()
     hopper = DeviceInfo(0, "H100", 90, 132, 227 * 1024, 80 << 30)
-    for window, alignment, tile in (((256, 0), "bottom_right", two), ((48, 16), "top_left", three),
-                                    ((1400, 16), "bottom_right", two)):
-        problem = Problem.sketch(64, "bfloat16", AttentionOptions(causal=window[1] == 0, window_size=window,
-                                                                  alignment=alignment), 2048)
-        assert family.variant(problem, hopper).tile == tile, window
+    for window, alignment, seqlen, tile in (((256, 0), "bottom_right", 2048, two), ((48, 16), "top_left", 2048, three),
+                                            ((1400, 16), "bottom_right", 2048, two),
+                                            ((-1, 0), "bottom_right", 1024, two), ((-1, 0), "bottom_right", 1025, three)):
+        causal = window[1] == 0
+        options = AttentionOptions(causal=causal, window_size=(-1, -1) if window[0] < 0 else window, alignment=alignment)
+        problem = Problem.sketch(64, "bfloat16", options, seqlen)
+        assert family.variant(problem, hopper).tile == tile, (window, seqlen)
         assert family.variant(problem, hopper) in family.variants(90)
     assert two.threads == 384 and sm90_fwd.variant(64, "bfloat16", "local", False, 4096).smem_bytes <= sm90_fwd.MAX_SMEM
