@@ -597,7 +597,6 @@ def launch(problem, q, k_cache, v_cache, out, lse, device, *, k=None, v=None, se
     import cupy
 
     batch, seqlen_q, nheads, head_dim = problem.batch, problem.max_seqlen_q, problem.nheads, problem.head_dim
-    nheads_k = k_cache.shape[-2]
     plan = plan_launch(problem, num_splits, device)
     main, pack, m_blocks, splits = plan.kernel, plan.pack, plan.m_blocks, plan.splits
     partial = splits > 1 and main.cluster == 1  # a cluster merges in shared memory
@@ -640,7 +639,7 @@ def launch(problem, q, k_cache, v_cache, out, lse, device, *, k=None, v=None, se
     launches = []
     if k is not None and k.size:
         launches.append(replay.Replay(build.get_kernel(DecodeHelper("kvcache_append_kernel", dtype)),
-                                      LaunchPlan((k.shape[1], nheads_k, batch), (threads, 1, 1), 0), record, writes))
+                                      LaunchPlan((k.shape[1], problem.nheads_k, batch), (threads, 1, 1), 0), record, writes))
     if out.size:
         if rotary_cos is not None:
             launches.append(replay.Replay(build.get_kernel(DecodeHelper("rotary_q_kernel", dtype)),
