@@ -165,3 +165,36 @@ def forward_against_reference(q, k, v, dtype_name, backend, **options):
     assert err < REL_TOL[dtype_name], f"out relative error {err:.2e}"
     check_lse(lse, ref_lse)
     return out, lse
+
+
+def varlen_forward_against_reference(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype_name, rng,
+                                     backend=None, check_plan=None, **options):
+    """flash_attn_varlen_func on family `backend` (None: as dispatched) over poisoned memory against
+    the float64 reference, each sequence's rows on their own (rows that see no key are zeros);
+    options given as host arrays go to the GPU for the call. check_plan(q, k, cu_q, cu_k, max_q,
+    max_k, **options), when given, runs before the call (to assert what the dispatch will do)."""
+    import cupy
+
+    import flashcupy
+    from flashcupy.reference import attention_varlen_ref
+
+    q = randn(rng, (sum(lengths_q), nheads, head_dim), dtype_name)
+    k, v = (randn(rng, (sum(lengths_k), nheads_k, head_dim), dtype_name) for _ in range(2))
+    cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(x)]).astype(np.int32)) for x in (lengths_q, lengths_k))
+    sizes = (cu_q, cu_k, max(lengths_q), max(lengths_k))
+    on_gpu = {n: cupy.asarray(a) if isinstance(a, np.ndarray) else a for n, a in options.items()}
+    if check_plan is not None:
+        check_plan(q, k, *sizes, **on_gpu)
+    poison_pool((q.shape, q.dtype), ((nheads, q.shape[0]), cupy.float32))
+    out, lse = flashcupy.flash_attn_varlen_func(q, k, v, *sizes, return_lse=True, backend=backend, **on_gpu)
+    ref, ref_lse = attention_varlen_ref(to_host64(q), to_host64(k), to_host64(v), cu_q.get(), cu_k.get(), **options)
+    out_h = to_host64(out)
+    assert not np.isnan(out_h).any(), "unwritten (poisoned) or NaN output elements"
+    bounds = cu_q.get()
+    for b in range(len(lengths_q)):
+        rows = slice(bounds[b], bounds[b + 1])
+        if rows.start < rows.stop and np.abs(ref[rows]).max() > 0:
+            assert rel_err(out_h[rows], ref[rows]) < REL_TOL[dtype_name], (b, lengths_q[b], lengths_k[b])
+        else:
+            assert np.array_equal(out_h[rows], ref[rows]), (b, "rows without keys are zeros")
+    check_lse(lse, ref_lse)

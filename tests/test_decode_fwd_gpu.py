@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import (REL_TOL, check_grads, check_lse, forward_against_reference, poison_pool, randn, rel_err,
-                         requires_gpu, to_host64)
+from gpu_helpers import (REL_TOL, check_grads, forward_against_reference, poison_pool, randn, rel_err,
+                         requires_gpu, to_host64, varlen_forward_against_reference)
 
 pytestmark = requires_gpu
 
@@ -216,37 +216,17 @@ def _varlen_plan(q, k, cu_q, cu_k, max_q, max_k, **options):
 
 def varlen_against_reference(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype_name, rng, family="decode",
                              merge=None, **options):
-    """flash_attn_varlen_func as dispatched (asserted to take `family`; with merge "count" or
-    "cluster", asserted to split the keys and merge that way) over poisoned memory against the
-    float64 reference, each sequence's rows on their own; options given as host arrays go to the
-    GPU for the call."""
-    import cupy
+    """varlen_forward_against_reference as dispatched, asserted to take `family` (with merge "count"
+    or "cluster", asserted to split the keys and merge that way)."""
 
-    import flashcupy
-    from flashcupy.reference import attention_varlen_ref
+    def check_plan(q, k, *sizes, **on_gpu):
+        assert varlen_family_of(q, k, *sizes, **on_gpu) == family
+        if merge is not None:
+            plan = _varlen_plan(q, k, *sizes, **on_gpu)
+            assert plan.splits > 1 and (plan.kernel.cluster > 1) == (merge == "cluster"), plan
 
-    q = randn(rng, (sum(lengths_q), nheads, head_dim), dtype_name)
-    k, v = (randn(rng, (sum(lengths_k), nheads_k, head_dim), dtype_name) for _ in range(2))
-    cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(x)]).astype(np.int32)) for x in (lengths_q, lengths_k))
-    sizes = (cu_q, cu_k, max(lengths_q), max(lengths_k))
-    on_gpu = {n: cupy.asarray(a) if isinstance(a, np.ndarray) else a for n, a in options.items()}
-    assert varlen_family_of(q, k, *sizes, **on_gpu) == family
-    if merge is not None:
-        plan = _varlen_plan(q, k, *sizes, **on_gpu)
-        assert plan.splits > 1 and (plan.kernel.cluster > 1) == (merge == "cluster"), plan
-    poison_pool((q.shape, q.dtype), ((nheads, q.shape[0]), cupy.float32))
-    out, lse = flashcupy.flash_attn_varlen_func(q, k, v, *sizes, return_lse=True, **on_gpu)
-    ref, ref_lse = attention_varlen_ref(to_host64(q), to_host64(k), to_host64(v), cu_q.get(), cu_k.get(), **options)
-    out_h = to_host64(out)
-    assert not np.isnan(out_h).any(), "unwritten (poisoned) or NaN output elements"
-    bounds = cu_q.get()
-    for b in range(len(lengths_q)):
-        rows = slice(bounds[b], bounds[b + 1])
-        if rows.start < rows.stop and np.abs(ref[rows]).max() > 0:
-            assert rel_err(out_h[rows], ref[rows]) < REL_TOL[dtype_name], (b, lengths_q[b], lengths_k[b])
-        else:
-            assert np.array_equal(out_h[rows], ref[rows]), (b, "rows without keys are zeros")
-    check_lse(lse, ref_lse)
+    varlen_forward_against_reference(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype_name, rng,
+                                     check_plan=check_plan, **options)
 
 
 # (query lengths, key lengths): one-token, short and empty sequences in every position of the batch;

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import (REL_TOL, check_lse, forward_against_reference, poison_pool, randn, rel_err, requires_gpu,
-                         to_host64)
+from gpu_helpers import (REL_TOL, forward_against_reference, poison_pool, randn, rel_err, requires_gpu,
+                         to_host64, varlen_forward_against_reference)
 
 pytestmark = requires_gpu
 
@@ -168,29 +168,10 @@ VARLEN = [([1, 17, 0, 127, 129, 1000], [5, 17, 3, 0, 300, 1000], {}),
 @pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 @pytest.mark.parametrize("lengths_q, lengths_k, options", VARLEN)
 def test_varlen(head_dim, lengths_q, lengths_k, options):
-    import cupy
-
-    import flashcupy
-    from flashcupy.reference import attention_varlen_ref
-
     rng = np.random.default_rng(sum(lengths_q) + head_dim)
-    nheads, nheads_k = 4, 2
-    q = randn(rng, (sum(lengths_q), nheads, head_dim), "bfloat16")
-    k, v = (randn(rng, (sum(lengths_k), nheads_k, head_dim), "bfloat16") for _ in range(2))
-    cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(x)]).astype(np.int32)) for x in (lengths_q, lengths_k))
+    nheads = 4
     options = dict(options)
     if options.pop("sinks", None):
-        options["sinks"] = cupy.asarray(rng.uniform(-1, 2, nheads).astype(np.float32))
-    poison_pool((q.shape, q.dtype), ((nheads, q.shape[0]), cupy.float32))
-    out, lse = flashcupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), return_lse=True,
-                                                backend="sm90", **options)
-    host = {n: (to_host64(a) if n == "sinks" else a) for n, a in options.items()}
-    ref, ref_lse = attention_varlen_ref(to_host64(q), to_host64(k), to_host64(v), cu_q.get(), cu_k.get(), **host)
-    out_h = to_host64(out)
-    assert not np.isnan(out_h).any()
-    bounds = cu_q.get()
-    for b in range(len(lengths_q)):
-        rows = slice(bounds[b], bounds[b + 1])
-        if rows.start < rows.stop:
-            assert rel_err(out_h[rows], ref[rows]) < REL_TOL["bfloat16"], (b, lengths_q[b], lengths_k[b])
-    check_lse(lse, ref_lse)
+        options["sinks"] = rng.uniform(-1, 2, nheads).astype(np.float32)
+    varlen_forward_against_reference(lengths_q, lengths_k, nheads, 2, head_dim, "bfloat16", rng, backend="sm90",
+                                     **options)

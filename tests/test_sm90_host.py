@@ -1,12 +1,10 @@
 """The sm90 families' host side, on the CPU: their kernel arguments and the forward's tile order."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 
 from flashcupy import launch, params, sm90_fwd
-from flashcupy.problem import AttentionOptions, Problem, plan_band
+from flashcupy.problem import AttentionOptions, Problem
 
 
 def problem(batch, seqlen, nheads, head_dim, **options):
