@@ -105,6 +105,9 @@ struct Sm90FwdArgs {
 static_assert(sizeof(FwdParams) + 16 <= 256 && sizeof(Sm90FwdArgs) == 256 + 4 * 128,
               "flashcupy/sm90_fwd.py lays section_heads, tile_counter after FwdParams, the tensor maps at 256, 384, 512, 640");
 
+// How a main-loop step masks its scores: not at all, always, or where its key block needs it.
+enum StepMask { kUnmasked, kMasked, kMaskedAtEdges };
+
 template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kPingPong, bool kAdvanceDescs, bool Is_causal,
           bool Is_local, bool Is_bf16, bool Has_score_mod, bool kStageOInQ>
 __global__ void __launch_bounds__(128 * (1 + kBlockM / 64), 1)
@@ -115,6 +118,10 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     // without a band (2-4% faster there; level at d = 64 causal, 2-4% slower at d = 128 causal,
     // level at d = 128 without a mask: docs/PERF_NOTES.md).
     constexpr bool kRescaleUnderS = kHeadDim > 128 || (kHeadDim == 64 && !Is_causal && !Is_local);
+    // Causal d = 128 runs the main loop's masked and unmasked steps as two copies of the step
+    // (3% faster at 8k-16k on an H200; level at d = 256, 1-3% slower at d = 64 and under a
+    // window at d = 128: docs/PERF_NOTES.md).
+    constexpr bool kMaskedStepsApart = kHeadDim == 128 && Is_causal && !Is_local;
     // O in the Q buffer where the tile has no room for its own and the caller asks for it
     // (flashcupy/sm90_fwd.py: always without a band; for short rows under a band)
     static_assert(!kStageOInQ || T::kOInQ, "O staged in the Q buffer: only where the traits have no room for its own");
@@ -339,7 +346,11 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
             for (int kk = 0; kk < kBlockN / 16; ++kk)
                 acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
 
-            for (int it = 1; it < n_count; ++it) {
+            // One main-loop step. Its mask: none, always, or where a band's edge or seqlen_k crosses
+            // its key block; without a band only the prologue's block can. A test in the step splits
+            // the softmax's basic block (ptxas then waits for P V at its top): without a band there is
+            // none, and causal d = 128 runs its masked steps in a copy of their own.
+            auto step = [&](int it, StepMask step_mask) {
                 const int n_block = n_block_max - 1 - it;
                 fence_regs(s_flat);
                 fence_regs(o_flat);
@@ -361,9 +372,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
                 mbar_arrive(k_empty(stage_of(it)));
                 const MmaAccCoords coords(row0 + warp_row0, n_block * kBlockN, lane);  // a warp's 16 rows, as mma.sync
                 if (Has_score_mod) apply_score_mod(mod, acc_s, coords);
-                // Without a band only the last key block, the prologue's, can need a mask: no test
-                // here, which would split the softmax's basic block (ptxas then waits for P V at its top)
-                if ((Is_causal || Is_local) && w.mask.tile_needs_mask(row0, n_block)) w.mask.apply(acc_s, coords);
+                if (step_mask == kMasked ||
+                    (step_mask == kMaskedAtEdges && (Is_causal || Is_local) && w.mask.tile_needs_mask(row0, n_block)))
+                    w.mask.apply(acc_s, coords);
                 softmax.probs(acc_s, score_log2, alpha);
                 wgmma_wait<0>();
                 fence_regs(o_flat);
@@ -372,6 +383,14 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
 #pragma unroll
                 for (int kk = 0; kk < kBlockN / 16; ++kk)
                     acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
+            };
+            if (kMaskedStepsApart) {
+                // the key blocks the diagonal or seqlen_k crosses are the first steps' (from the last block down)
+                int it = 1;
+                for (; it < n_count && w.mask.tile_needs_mask(row0, n_block_max - 1 - it); ++it) step(it, kMasked);
+                for (; it < n_count; ++it) step(it, kUnmasked);
+            } else {
+                for (int it = 1; it < n_count; ++it) step(it, kMaskedAtEdges);
             }
             // every S of this tile is done: the producer may load the next Q (where O's stores do not read the buffer)
             if (!kOInQ || !o_staged) mbar_arrive(q_empty(qs));
