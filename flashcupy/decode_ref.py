@@ -48,6 +48,11 @@ def rotary_rotate(x, cos, sin, positions, interleaved: bool) -> np.ndarray:
     return x
 
 
+def _rounded(x: np.ndarray, dtype) -> np.ndarray:
+    """x rounded to `dtype` and back to float64 (None: x)."""
+    return x if dtype is None else x.astype(dtype).astype(np.float64)
+
+
 def _per_batch(values, batch: int, name: str, default: int) -> np.ndarray:
     if values is None:
         return np.full(batch, default, np.int64)
@@ -69,9 +74,11 @@ def _cache_rows(b: int, rows: np.ndarray, page_size: int, block_table, cache_bat
 
 def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                 block_table=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True, softmax_scale=None,
-                causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+                causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, rotated_dtype=None):
     """-> (out (batch, seqlen_q, nheads, headdim), lse (batch, nheads, seqlen_q), k_cache, v_cache),
-    all float64, the caches as they are after the append (copies; the arguments are not changed)."""
+    all float64, the caches as they are after the append (copies; the arguments are not changed).
+    rotated_dtype: the dtype rotated keys and queries are held in (the cache's, as the kernels hold
+    them), to which they are rounded after the rotation; None keeps them in float64."""
     q = _f64(q)
     batch, seqlen_q, nheads, headdim = q.shape
     k_cache, v_cache = _f64(k_cache).copy(), _f64(v_cache).copy()
@@ -93,7 +100,7 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_b
             rows = seqlens[b] + np.arange(seqlen_new)
             k_new, v_new = _f64(k[b]), _f64(v[b])
             if rotary:
-                k_new = rotary_rotate(k_new, rotary_cos, rotary_sin, rows, rotary_interleaved)
+                k_new = _rounded(rotary_rotate(k_new, rotary_cos, rotary_sin, rows, rotary_interleaved), rotated_dtype)
             where = _cache_rows(b, rows, page_size, block_table, entries)
             k_cache[where], v_cache[where] = k_new, v_new
         keys = np.arange(leftpad[b], seqlens[b] + seqlen_new)
@@ -101,7 +108,7 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_b
         q_b = q[b]
         if rotary:
             positions = seqlens[b] + (np.arange(seqlen_q) if windowed else np.zeros(seqlen_q, np.int64))
-            q_b = rotary_rotate(q_b, rotary_cos, rotary_sin, positions, rotary_interleaved)
+            q_b = _rounded(rotary_rotate(q_b, rotary_cos, rotary_sin, positions, rotary_interleaved), rotated_dtype)
         slopes = None if alibi_slopes is None else np.broadcast_to(_f64(alibi_slopes), (batch, nheads))[b]
         o_b, lse_b = attention_ref(q_b[None], k_cache[where][None], v_cache[where][None], softmax_scale, causal,
                                    window_size, softcap=softcap, alibi_slopes=slopes, sinks=sinks)

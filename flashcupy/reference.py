@@ -284,10 +284,12 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
 
 
 def attention_bwd_ref(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1),
-                      alignment="bottom_right", *, softcap=0.0, alibi_slopes=None, sinks=None):
+                      alignment="bottom_right", *, softcap=0.0, alibi_slopes=None, sinks=None, out=None):
     """Gradients (dq, dk, dv) of sum(attention_ref(q, k, v, ...)[0] * dout); dk, dv summed per GQA group.
 
-    With sinks, (dq, dk, dv, dsinks), dsinks of shape (nheads,).
+    With sinks, (dq, dk, dv, dsinks), dsinks of shape (nheads,). `out`, when given, is the forward
+    output the backward is handed (e.g. rounded to the input dtype): D = rowsum(dout * out) is taken
+    from it, as the FlashAttention backwards take it, instead of from the exact output.
     """
     q, k, v, group = _check_qkv(q, k, v)
     dout = _f64(dout)
@@ -295,6 +297,8 @@ def attention_bwd_ref(dout, q, k, v, softmax_scale=None, causal=False, window_si
         raise ValueError(f"dout must have the shape of q, got {dout.shape} and {q.shape}")
     batch, seqlen_q, nheads, _ = q.shape
     heads = _Heads(q, k, group, softmax_scale, causal, window_size, alignment, softcap, alibi_slopes, sinks)
+    if out is not None and _f64(out).shape != q.shape:
+        raise ValueError(f"out must have the shape of q, got {np.shape(out)} and {q.shape}")
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     lse, delta = np.empty((batch, nheads, seqlen_q)), np.empty((batch, nheads, seqlen_q))
     for b in range(batch):
@@ -302,7 +306,7 @@ def attention_bwd_ref(dout, q, k, v, softmax_scale=None, causal=False, window_si
             kh = h // group
             p, lse[b, h], dcap = heads.probs(b, h)  # empty rows: p = 0, so no gradient
             do = dout[b, :, h]
-            o = p @ v[b, :, kh]
+            o = p @ v[b, :, kh] if out is None else _f64(out)[b, :, h]
             dv[b, :, kh] += p.T @ do
             dp = do @ v[b, :, kh].T
             delta[b, h] = np.sum(do * o, axis=-1)
@@ -366,9 +370,9 @@ def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
     return out, lse
 
 
-def attention_varlen_bwd_ref(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
+def attention_varlen_bwd_ref(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, out=None, **kw):
     """attention_bwd_ref over a packed batch -> (dq, dk, dv) in the packed layouts, or
-    (dq, dk, dv, dsinks) with sinks, dsinks summed over the sequences."""
+    (dq, dk, dv, dsinks) with sinks, dsinks summed over the sequences; `out` packed as q."""
     dout, q, k, v = _f64(dout), _f64(q), _f64(k), _f64(v)
     if dout.shape != q.shape:
         raise ValueError(f"dout must have the shape of q, got {dout.shape} and {q.shape}")
@@ -376,7 +380,8 @@ def attention_varlen_bwd_ref(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     dsinks = np.zeros(q.shape[1])
     for rows, kv_rows, options in sequences:
-        grads = attention_bwd_ref(dout[None, rows], q[None, rows], k[None, kv_rows], v[None, kv_rows], **options)
+        grads = attention_bwd_ref(dout[None, rows], q[None, rows], k[None, kv_rows], v[None, kv_rows], **options,
+                                  out=None if out is None else _f64(out)[None, rows])
         dq[rows], dk[kv_rows], dv[kv_rows] = grads[0][0], grads[1][0], grads[2][0]
         dsinks += grads[3] if len(grads) == 4 else 0.0
     return (dq, dk, dv) if kw.get("sinks") is None else (dq, dk, dv, dsinks)

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from gpu_helpers import REL_TOL, check_lse, randn, rel_err, requires_gpu, to_host64
+from gpu_helpers import REL_TOL, check_lse, dtype_of, randn, rel_err, requires_gpu, to_host64
 
 pytestmark = requires_gpu
 
@@ -49,7 +49,8 @@ def run_case(rng, *, batch, seqlen_q, nheads, nheads_k, head_dim=128, dtype_name
     ref_out, ref_lse, ref_k, ref_v = kvcache_ref(
         to_host64(q), k_host, v_host, None if k is None else to_host64(k), None if v is None else to_host64(v),
         cache_seqlens=seqlens, block_table=table, rotary_cos=None if cos is None else to_host64(cos),
-        rotary_sin=None if sin is None else to_host64(sin), rotary_interleaved=interleaved, **host_options)
+        rotary_sin=None if sin is None else to_host64(sin), rotary_interleaved=interleaved,
+        rotated_dtype=dtype_of(dtype_name), **host_options)
     out_h = to_host64(out)
     assert not np.isnan(out_h).any(), "unwritten or NaN output"
     err = rel_err(out_h, ref_out)

@@ -107,6 +107,27 @@ def test_reference_rotates_new_keys_and_queries_at_their_rows():
     assert np.allclose(out, want)
 
 
+def test_reference_rounds_rotated_rows_to_the_dtype_it_is_given():
+    """rotated_dtype: the appended keys (in the cache) and the queries rotated, then rounded to it."""
+    import ml_dtypes
+
+    q = RNG.standard_normal((1, 2, 2, 32))
+    kc, vc = RNG.standard_normal((2, 1, 10, 1, 32))
+    k, v = RNG.standard_normal((2, 1, 2, 1, 32))
+    angle = RNG.standard_normal((12, 16))
+    cos, sin = np.cos(angle), np.sin(angle)
+    kw = dict(cache_seqlens=3, rotary_cos=cos, rotary_sin=sin, causal=True)
+    out, _, kc2, vc2 = decode_ref.kvcache_ref(q, kc, vc, k, v, rotated_dtype=ml_dtypes.bfloat16, **kw)
+    exact, _, kc_exact, _ = decode_ref.kvcache_ref(q, kc, vc, k, v, **kw)
+    assert np.array_equal(kc2[0, 3:5], kc_exact[0, 3:5].astype(ml_dtypes.bfloat16).astype(np.float64))
+    assert not np.array_equal(kc2[0, 3:5], kc_exact[0, 3:5])
+    assert np.array_equal(kc2[0, :3], kc[0, :3])  # rows not appended: as they were
+    q_rot = decode_ref.rotary_rotate(q[0], cos, sin, [3, 4], True).astype(ml_dtypes.bfloat16).astype(np.float64)
+    want, _ = attention_ref(q_rot[None], kc2[:, :5], vc2[:, :5], causal=True)
+    assert np.allclose(out, want)
+    assert not np.allclose(out, exact, rtol=0, atol=1e-12)
+
+
 # ---- split-KV ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 40])

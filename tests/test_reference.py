@@ -161,6 +161,32 @@ def test_low_precision_inputs_computed_in_float64(dtype):
         np.testing.assert_allclose(g, want, rtol=RTOL, atol=ATOL)
 
 
+def test_backward_takes_d_from_the_output_it_is_handed():
+    """out=: D = rowsum(dout * out) from the given output. The exact output gives the same gradients;
+    a perturbed one moves dq, dk and dsinks (through D) but not dv; packed batches slice it per sequence."""
+    rng = np.random.default_rng(31)
+    q, k, v = _qkv(rng, 2, 5, 7, 4, 2, 8)
+    dout = rng.standard_normal(q.shape)
+    kw = dict(causal=True, sinks=rng.uniform(-1, 2, 4))
+    out, _ = attention_ref(q, k, v, **kw)
+    exact = attention_bwd_ref(dout, q, k, v, **kw)
+    for g, want in zip(attention_bwd_ref(dout, q, k, v, out=out, **kw), exact):
+        np.testing.assert_allclose(g, want, rtol=1e-12, atol=1e-12)
+    moved = attention_bwd_ref(dout, q, k, v, out=out + 1e-3 * rng.standard_normal(out.shape), **kw)
+    np.testing.assert_array_equal(moved[2], exact[2])
+    for g, want in zip(moved[:2] + moved[3:], exact[:2] + exact[3:]):
+        assert np.abs(g - want).max() > 1e-6
+    with pytest.raises(ValueError):
+        attention_bwd_ref(dout, q, k, v, out=out[:, :3], **kw)
+    cu = np.array([0, 5, 10])
+    flat = [x.reshape(-1, *x.shape[2:]) for x in (dout, q, k, v, out + 1e-3)]
+    packed = attention_varlen_bwd_ref(*flat[:4], cu, np.array([0, 7, 14]), out=flat[4], **kw)
+    padded = attention_bwd_ref(dout, q, k, v, out=out + 1e-3, **kw)
+    for g, want in zip(packed[:3], padded[:3]):
+        np.testing.assert_allclose(g, want.reshape(g.shape), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(packed[3], padded[3], rtol=1e-12, atol=1e-12)
+
+
 def test_bad_shapes_rejected():
     rng = np.random.default_rng(6)
     q, k, v = _qkv(rng, 1, 4, 4, 3, 2, 8)
