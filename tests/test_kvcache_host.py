@@ -87,12 +87,17 @@ def test_rotary_rotates_pairs_and_keeps_the_rest(interleaved):
         assert np.allclose(y[i, :, second], x[i, :, first] * s + x[i, :, second] * c)
 
 
-def test_reference_rotates_new_keys_and_queries_at_their_rows():
+def _rotary_case():
+    """q (1, 2, 2, 32), a cache of 10 rows, 2 new keys and values, rotary tables for 12 rows."""
     q = RNG.standard_normal((1, 2, 2, 32))
     kc, vc = RNG.standard_normal((2, 1, 10, 1, 32))
     k, v = RNG.standard_normal((2, 1, 2, 1, 32))
     angle = RNG.standard_normal((12, 16))
-    cos, sin = np.cos(angle), np.sin(angle)
+    return q, kc, vc, k, v, np.cos(angle), np.sin(angle)
+
+
+def test_reference_rotates_new_keys_and_queries_at_their_rows():
+    q, kc, vc, k, v, cos, sin = _rotary_case()
     out, _, kc2, vc2 = decode_ref.kvcache_ref(q, kc, vc, k, v, cache_seqlens=3, rotary_cos=cos, rotary_sin=sin,
                                               rotary_interleaved=False, causal=True)
     assert np.allclose(kc2[0, 3:5], decode_ref.rotary_rotate(k[0], cos, sin, [3, 4], False))
@@ -111,11 +116,7 @@ def test_reference_rounds_rotated_rows_to_the_dtype_it_is_given():
     """rotated_dtype: the appended keys (in the cache) and the queries rotated, then rounded to it."""
     import ml_dtypes
 
-    q = RNG.standard_normal((1, 2, 2, 32))
-    kc, vc = RNG.standard_normal((2, 1, 10, 1, 32))
-    k, v = RNG.standard_normal((2, 1, 2, 1, 32))
-    angle = RNG.standard_normal((12, 16))
-    cos, sin = np.cos(angle), np.sin(angle)
+    q, kc, vc, k, v, cos, sin = _rotary_case()
     kw = dict(cache_seqlens=3, rotary_cos=cos, rotary_sin=sin, causal=True)
     out, _, kc2, vc2 = decode_ref.kvcache_ref(q, kc, vc, k, v, rotated_dtype=ml_dtypes.bfloat16, **kw)
     exact, _, kc_exact, _ = decode_ref.kvcache_ref(q, kc, vc, k, v, **kw)
