@@ -46,6 +46,7 @@ DEFAULT_TOTAL_TOKENS = 16384
 DEFAULT_HIDDEN = 2048
 DEFAULT_REPEATS = 20
 DEFAULT_WARMUP = 3
+DEFAULT_ROUNDS = 1
 WARMUP_SECONDS = 0.1
 # Variants of the causal case in the default sweep: GQA with 4 query heads per kv head
 # (d=64: 32 query heads, 8 kv heads) and a Mistral-style sliding window, causal with 1024 keys back.
@@ -68,7 +69,8 @@ FIELDS = {
     "family": "flashcupy: the kernel families that ran, forward / backward (registry.py); null for peers",
     "status": "ok, OOM (out of device memory), err (failed, see note) or n/a (cannot run this case, see note)",
     "ms": "median of `repeats` CUDA-event timings on the current stream, after the first call and "
-          f"untimed calls (at least `warmup`, for at least {WARMUP_SECONDS} s)",
+          f"untimed calls (at least `warmup`, for at least {WARMUP_SECONDS} s); with `rounds` > 1 that of the "
+          "median round, the implementations' order turning each round",
     "tflops": "attention_flops(...) / ms, the FA2 paper's count (causal halves it; bwd 2.5x, fwdbwd 3.5x fwd); "
               "with a window, 4 * headdim FLOPs per visible (query, key) pair instead",
     "ratio": "flashcupy TFLOP/s / this implementation's TFLOP/s (> 1: flashcupy is faster)",
@@ -184,7 +186,7 @@ def sweep_shapes(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causal=(F
 
 
 def run_sweep(shapes, impls=("flashcupy",) + DEFAULT_PEERS, repeats=DEFAULT_REPEATS,
-              warmup=DEFAULT_WARMUP, records: list | None = None) -> list[dict]:
+              warmup=DEFAULT_WARMUP, records: list | None = None, rounds=DEFAULT_ROUNDS) -> list[dict]:
     """Benchmark every implementation on every shape; one record per pair, in order.
 
     `shapes` may be any iterable (the CLI passes a click progress bar over the list). Each shape's
@@ -193,22 +195,45 @@ def run_sweep(shapes, impls=("flashcupy",) + DEFAULT_PEERS, repeats=DEFAULT_REPE
     """
     records = [] if records is None else records
     for shape in shapes:
-        records.extend(bench_shape(shape, impls, repeats, warmup))
+        records.extend(bench_shape(shape, impls, repeats, warmup, rounds))
     return records
 
 
-def bench_shape(shape: BenchShape, impls, repeats=DEFAULT_REPEATS, warmup=DEFAULT_WARMUP) -> list[dict]:
-    """Records for one shape, each implementation on the same inputs. Failures become cells."""
+def bench_shape(shape: BenchShape, impls, repeats=DEFAULT_REPEATS, warmup=DEFAULT_WARMUP,
+                rounds=DEFAULT_ROUNDS) -> list[dict]:
+    """Records for one shape, each implementation on the same inputs. Failures become cells.
+
+    With rounds > 1 the implementations are timed that many times, their order turning by one each
+    round (none always first, none always after the same one: the GPU's clocks drift with its
+    load), and each keeps its median round (median_round); one that fails is not run again.
+    """
+    impls = list(impls)
     try:
         inputs = make_inputs(shape)
     except Exception as exc:  # e.g. inputs alone do not fit: every cell says so
         records = [_failed_record(shape, impl, exc, "inputs: ") for impl in impls]
     else:
-        records = [_bench_impl(impl, shape, inputs, repeats, warmup) for impl in impls]
+        by_impl = {impl: [] for impl in impls}
+        for turn in range(rounds):
+            for impl in impls[turn % len(impls):] + impls[:turn % len(impls)]:
+                if all(r["status"] == "ok" for r in by_impl[impl]):
+                    by_impl[impl].append(_bench_impl(impl, shape, inputs, repeats, warmup))
+        records = [median_round(by_impl[impl]) for impl in impls]
         del inputs
     _release_cupy_memory()
     fill_ratios(records)
     return records
+
+
+def median_round(rounds: list[dict]) -> dict:
+    """One implementation's record from its rounds: a failed round's record if one failed, else the
+    round of the median time (the lower of the two middle ones), with the first round's first-call
+    time (the later rounds' first calls find the kernels loaded)."""
+    failed = [r for r in rounds if r["status"] != "ok"]
+    if failed:
+        return failed[0]
+    chosen = sorted(rounds, key=lambda r: r["ms"])[(len(rounds) - 1) // 2]
+    return {**chosen, "first_call_ms": rounds[0]["first_call_ms"]}
 
 
 def fill_ratios(records: list[dict]) -> None:

@@ -283,11 +283,46 @@ def test_flashcupy_step_times_what_the_mode_names(monkeypatch, mode, at_setup, p
 def test_bench_default_modes(monkeypatch, fake_gpu):
     monkeypatch.setattr(bench, "collect_metadata", lambda: dict(FAKE_METADATA))
     seen = []
-    monkeypatch.setattr(bench, "bench_shape", lambda shape, impls, repeats, warmup: seen.append(shape) or [])
+    monkeypatch.setattr(bench, "bench_shape", lambda shape, impls, repeats, warmup, rounds: seen.append(shape) or [])
     result = invoke("bench", "--seqlens", "512", "--head-dims", "64", "--causal", "off", "--variants", "plain",
                     "--peers", "none", "--quiet")
     assert result.exit_code == 0, result.output
     assert [s.mode for s in seen] == ["fwd", "bwd", "fwdbwd"]
+
+
+def test_bench_rounds_turn_the_order_and_keep_each_median_round(monkeypatch):
+    """rounds=3: each implementation timed 3 times, the order turning by one each round; each record
+    is its median round's, with the first round's first-call time; one that fails runs once."""
+    shape = bench.sweep_shapes(seqlens=(256,), head_dims=(64,), causal=(False,), modes=("fwd",))[0]
+    monkeypatch.setattr(bench, "make_inputs", lambda shape, seed=0: (None, None, None, None))
+    order, times = [], {"flashcupy": [3.0, 1.0, 2.0], "naive": [5.0, 4.0, 6.0]}
+
+    def fake_bench_impl(impl, shape, inputs, repeats, warmup):
+        order.append(impl)
+        record = bench.new_record(shape, impl)
+        if impl == "sdpa_flash":
+            return {**record, "status": "err", "note": "boom"}
+        ms = times[impl][sum(i == impl for i in order) - 1]
+        return {**record, "ms": ms, "tflops": 1 / ms, "first_call_ms": 100 * ms}
+
+    monkeypatch.setattr(bench, "_bench_impl", fake_bench_impl)
+    records = bench.bench_shape(shape, ("flashcupy", "naive", "sdpa_flash"), repeats=1, warmup=0, rounds=3)
+    assert order == ["flashcupy", "naive", "sdpa_flash", "naive", "flashcupy", "flashcupy", "naive"]
+    assert [r["ms"] for r in records[:2]] == [2.0, 5.0]  # medians of (3, 1, 2) and (5, 4, 6)
+    assert [r["first_call_ms"] for r in records[:2]] == [300.0, 500.0]  # the first rounds'
+    assert records[2]["status"] == "err" and records[1]["ratio"] == pytest.approx(5.0 / 2.0)
+
+
+def test_bench_passes_rounds(monkeypatch, fake_gpu):
+    monkeypatch.setattr(bench, "collect_metadata", lambda: dict(FAKE_METADATA))
+    seen = []
+    monkeypatch.setattr(bench, "bench_shape", lambda shape, impls, repeats, warmup, rounds: seen.append(rounds) or [])
+    result = invoke("bench", "--seqlens", "512", "--head-dims", "64", "--causal", "off", "--variants", "plain",
+                    "--mode", "fwd", "--peers", "none", "--rounds", "3", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert seen == [3]
+    result = invoke("bench", "--decode", "--rounds", "2")
+    assert result.exit_code != 0 and "--rounds does not apply to --decode" in result.output
 
 
 def test_naive_has_no_backward(monkeypatch):
@@ -359,7 +394,7 @@ def test_an_interrupted_bench_keeps_its_finished_shapes(monkeypatch, tmp_path, f
     monkeypatch.setattr(bench, "collect_metadata", lambda: dict(FAKE_METADATA))
     done = []
 
-    def fake_bench_shape(shape, impls, repeats, warmup):
+    def fake_bench_shape(shape, impls, repeats, warmup, rounds):
         if len(done) == 2:
             raise KeyboardInterrupt
         done.append(shape)
@@ -391,8 +426,8 @@ def test_bench_command_glue(monkeypatch, tmp_path, fake_gpu):
     monkeypatch.setattr(bench, "torch_unavailable_reason", lambda: "torch is not importable")
     seen = []
 
-    def fake_bench_shape(shape, impls, repeats, warmup):
-        seen.append((shape, impls, repeats, warmup))
+    def fake_bench_shape(shape, impls, repeats, warmup, rounds):
+        seen.append((shape, impls, repeats, warmup, rounds))
         records = [{**bench.new_record(shape, impl), "ms": 1.0, "tflops": 100.0} for impl in impls]
         bench.fill_ratios(records)
         return records
@@ -404,7 +439,7 @@ def test_bench_command_glue(monkeypatch, tmp_path, fake_gpu):
     result = invoke(*args)
     assert result.exit_code == 0, result.output
     assert "torch peers skipped (sdpa_flash, sdpa_cudnn, fa4): torch is not importable" in result.stderr
-    assert len(seen) == 2 * 2 * 2 * 3 and seen[0][1:] == (("flashcupy", "naive"), 3, 1)  # x plain, gqa, window
+    assert len(seen) == 2 * 2 * 2 * 3 and seen[0][1:] == (("flashcupy", "naive"), 3, 1, 1)  # x plain, gqa, window
     for section in ("causal on\n", "causal on, GQA 16/4\n", "window 1024\n"):
         assert "fwd fp16  head dim 128 (16 heads)  " + section in result.stdout
     document = bench.load_json(json_path)
