@@ -297,8 +297,9 @@ def attention_bwd_ref(dout, q, k, v, softmax_scale=None, causal=False, window_si
         raise ValueError(f"dout must have the shape of q, got {dout.shape} and {q.shape}")
     batch, seqlen_q, nheads, _ = q.shape
     heads = _Heads(q, k, group, softmax_scale, causal, window_size, alignment, softcap, alibi_slopes, sinks)
-    if out is not None and _f64(out).shape != q.shape:
-        raise ValueError(f"out must have the shape of q, got {np.shape(out)} and {q.shape}")
+    out = None if out is None else _f64(out)
+    if out is not None and out.shape != q.shape:
+        raise ValueError(f"out must have the shape of q, got {out.shape} and {q.shape}")
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     lse, delta = np.empty((batch, nheads, seqlen_q)), np.empty((batch, nheads, seqlen_q))
     for b in range(batch):
@@ -306,7 +307,7 @@ def attention_bwd_ref(dout, q, k, v, softmax_scale=None, causal=False, window_si
             kh = h // group
             p, lse[b, h], dcap = heads.probs(b, h)  # empty rows: p = 0, so no gradient
             do = dout[b, :, h]
-            o = p @ v[b, :, kh] if out is None else _f64(out)[b, :, h]
+            o = p @ v[b, :, kh] if out is None else out[b, :, h]
             dv[b, :, kh] += p.T @ do
             dp = do @ v[b, :, kh].T
             delta[b, h] = np.sum(do * o, axis=-1)
@@ -374,6 +375,7 @@ def attention_varlen_bwd_ref(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, out=None
     """attention_bwd_ref over a packed batch -> (dq, dk, dv) in the packed layouts, or
     (dq, dk, dv, dsinks) with sinks, dsinks summed over the sequences; `out` packed as q."""
     dout, q, k, v = _f64(dout), _f64(q), _f64(k), _f64(v)
+    out = None if out is None else _f64(out)
     if dout.shape != q.shape:
         raise ValueError(f"dout must have the shape of q, got {dout.shape} and {q.shape}")
     sequences = _varlen_sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, kw)
@@ -381,7 +383,7 @@ def attention_varlen_bwd_ref(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, out=None
     dsinks = np.zeros(q.shape[1])
     for rows, kv_rows, options in sequences:
         grads = attention_bwd_ref(dout[None, rows], q[None, rows], k[None, kv_rows], v[None, kv_rows], **options,
-                                  out=None if out is None else _f64(out)[None, rows])
+                                  out=None if out is None else out[None, rows])
         dq[rows], dk[kv_rows], dv[kv_rows] = grads[0][0], grads[1][0], grads[2][0]
         dsinks += grads[3] if len(grads) == 4 else 0.0
     return (dq, dk, dv) if kw.get("sinks") is None else (dq, dk, dv, dsinks)
