@@ -214,7 +214,7 @@ def bench_shape(shape: BenchShape, impls, repeats=DEFAULT_REPEATS, warmup=DEFAUL
         records = [_failed_record(shape, impl, exc, "inputs: ") for impl in impls]
     else:
         by_impl = {impl: [] for impl in impls}
-        for turn in range(rounds):
+        for turn in range(rounds if impls else 0):
             for impl in impls[turn % len(impls):] + impls[:turn % len(impls)]:
                 if all(r["status"] == "ok" for r in by_impl[impl]):
                     by_impl[impl].append(_bench_impl(impl, shape, inputs, repeats, warmup))

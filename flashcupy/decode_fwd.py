@@ -57,8 +57,8 @@ class DecodeForward(Family):
     def variant(self, problem, device):
         """The attention kernel for the problem's packed rows, before plan_launch picks its tile and
         cluster for the call (those instances are flash_attn_with_kvcache's too)."""
-        return kvcache.attention_variant(kvcache.packed_rows(problem), problem.head_dim, problem.dtype, problem.band.mask,
-                                         problem.score_mod, device.capability)
+        return kvcache.attention_variant(kvcache.packed_rows(problem), problem.head_dim, problem.dtype,
+                                         problem.band.mask, problem.score_mod, device.capability)
 
     def variants(self, capability, smem_optin=None, head_dims=kvcache.HEAD_DIMS, dtypes=DTYPE_NAMES, masks=MASKS,
                  score_mods=(False, True), deterministic=(False, True)) -> list:

@@ -638,8 +638,9 @@ def launch(problem, q, k_cache, v_cache, out, lse, device, *, k=None, v=None, se
     threads = head_dim // 8  # 16 bytes each
     launches = []
     if k is not None and k.size:
-        launches.append(replay.Replay(build.get_kernel(DecodeHelper("kvcache_append_kernel", dtype)),
-                                      LaunchPlan((k.shape[1], problem.nheads_k, batch), (threads, 1, 1), 0), record, writes))
+        append_plan = LaunchPlan((k.shape[1], problem.nheads_k, batch), (threads, 1, 1), 0)
+        launches.append(replay.Replay(build.get_kernel(DecodeHelper("kvcache_append_kernel", dtype)), append_plan,
+                                      record, writes))
     if out.size:
         if rotary_cos is not None:
             launches.append(replay.Replay(build.get_kernel(DecodeHelper("rotary_q_kernel", dtype)),

@@ -311,6 +311,7 @@ def test_bench_rounds_turn_the_order_and_keep_each_median_round(monkeypatch):
     assert [r["ms"] for r in records[:2]] == [2.0, 5.0]  # medians of (3, 1, 2) and (5, 4, 6)
     assert [r["first_call_ms"] for r in records[:2]] == [300.0, 500.0]  # the first rounds'
     assert records[2]["status"] == "err" and records[1]["ratio"] == pytest.approx(5.0 / 2.0)
+    assert bench.bench_shape(shape, (), repeats=1, warmup=0, rounds=3) == []
 
 
 def test_bench_passes_rounds(monkeypatch, fake_gpu):
