@@ -51,10 +51,11 @@ class Sm90FwdTile:
 # consumer warpgroups (192 rows) keep the tensor cores busier than two; d = 192 and 256 take 96- and
 # 80-key blocks so that O (96 and 128 registers a thread) still fits (d = 192 not yet tuned).
 # Ping-pong measured +5-12% at d = 64 and +1-16% at d = 128, nothing at d = 256; advanced
-# descriptors +1.5-4% at d = 128 without a mask, 3-7% slower at d = 64 causal.
+# descriptors +1.5-4% at d = 128 without a mask, 3-7% slower at d = 64 causal, +1-2.5% at d = 192
+# and 256 (with the kernel's warp-uniform warpgroup index there: no R2UR, no spills).
 _TILES = {64: Sm90FwdTile(192, 128, 2, ping_pong=True),
           128: Sm90FwdTile(128, 128, 2, ping_pong=True, advance_descs=True),
-          192: Sm90FwdTile(128, 96, 2), 256: Sm90FwdTile(128, 80, 2)}
+          192: Sm90FwdTile(128, 96, 2, advance_descs=True), 256: Sm90FwdTile(128, 80, 2, advance_descs=True)}
 # d = 64 on two consumer warpgroups (240 registers each, 128-row q blocks) instead of three:
 # - under a band wider than a key block, where the three of _TILES spill the band's state (ptxas:
 #   92 / 88 bytes of spill stores / loads at 160 registers). H200, same process, 5 alternating
