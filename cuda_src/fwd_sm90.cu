@@ -121,7 +121,7 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
     // Causal d = 128 runs the main loop's masked and unmasked steps as two copies of the step
     // (3% faster at 8k-16k on an H200; level at d = 256, 1-3% slower at d = 64 and under a
     // window at d = 128: docs/PERF_NOTES.md).
-    constexpr bool kMaskedStepsApart = kHeadDim == 128 && Is_causal && !Is_local;
+    constexpr bool kMaskedStepsApart = kHeadDim == 128 && Is_causal;
     // O in the Q buffer where the tile has no room for its own and the caller asks for it
     // (flashcupy/sm90_fwd.py: always without a band; for short rows under a band)
     static_assert(!kStageOInQ || T::kOInQ, "O staged in the Q buffer: only where the traits have no room for its own");
