@@ -24,6 +24,16 @@ def dtype_of(name: str):
     return np.float16 if name == "float16" else ml_dtypes.bfloat16
 
 
+def ulp(x, dtype_name) -> np.ndarray:
+    """The spacing of the dtype's values at each |x| (one unit in the last place; subnormals' below
+    the smallest normal)."""
+    import ml_dtypes
+
+    info = ml_dtypes.finfo(dtype_of(dtype_name))
+    exponent = np.floor(np.log2(np.maximum(np.abs(np.asarray(x, np.float64)), float(info.tiny))))
+    return np.exp2(np.maximum(exponent, info.minexp) - info.nmant)
+
+
 def randn(rng, shape, dtype_name):
     """Random normal CuPy array of `shape` in the dtype."""
     import cupy

@@ -25,14 +25,20 @@ def _f32(rng, shape, low, high):
     return cupy.asarray(rng.uniform(low, high, shape).astype(np.float32))
 
 
+def _problem(q, k, **options):
+    """flash_attn_func's problem for these arrays and options."""
+    from flashcupy.problem import AttentionOptions, Problem
+    from flashcupy.validation import dtype_name
+
+    return Problem.padded(q, k, dtype_name(q.dtype), AttentionOptions(**options), read=(q, k))
+
+
 def family_of(q, k, **options) -> str:
     """The forward family flash_attn_func takes for these arrays and options on this GPU."""
     from flashcupy import api
     from flashcupy.device import device_info
-    from flashcupy.problem import AttentionOptions, Problem
 
-    problem = Problem.padded(q, k, "bfloat16", AttentionOptions(**options), read=(q, k))
-    return api.family_for("fwd", problem, device_info(q.device.id)).name
+    return api.family_for("fwd", _problem(q, k, **options), device_info(q.device.id)).name
 
 
 def run_and_check(q, k, v, dtype_name, backend="decode", **options):
@@ -63,10 +69,8 @@ def _plan(q, k, **options):
     """The decode kernels' launch plan for flash_attn_func's problem of these arrays."""
     from flashcupy import kvcache
     from flashcupy.device import device_info
-    from flashcupy.problem import AttentionOptions, Problem
 
-    problem = Problem.padded(q, k, "bfloat16", AttentionOptions(**options), read=(q, k))
-    return kvcache.plan_launch(problem, 0, device_info(q.device.id))
+    return kvcache.plan_launch(_problem(q, k, **options), 0, device_info(q.device.id))
 
 
 def _hopper() -> bool:
