@@ -255,10 +255,9 @@ flash_fwd_sm90_kernel(const __grid_constant__ Sm90FwdArgs args) {
 
     // ---- consumers ----
     regs_claim<T::kConsumerRegs>();
-    // rows 64 consumer .. of the q block; at d = 64, 192 and 256 taken warp-uniform, so that the
-    // wgmma descriptors live in uniform registers (d = 64 causal 2-7% faster, level without a mask;
-    // at d = 128 1-8% slower; at 192 and 256, with advanced descriptors, no R2UR and no spills)
-    const int consumer = (kHeadDim == 64 || kHeadDim >= 192 ? warpgroup_index() : warpgroup) - 1;
+    // rows 64 consumer .. of the q block, taken warp-uniform so that the wgmma descriptors live in
+    // uniform registers: no R2UR in the main loop (docs/PERF_NOTES.md)
+    const int consumer = warpgroup_index() - 1;
     // Ping-pong: the consumers issue their main-loop GEMMs in turn (consumer 0, 1, .., 0, ..), each
     // waiting on its own named barrier (1 + consumer) for the previous one's arrival, so that one
     // warpgroup's softmax runs while the tensor cores work through the others' GEMMs. Consumer 0

@@ -51,7 +51,7 @@ class Sm90FwdTile:
 # consumer warpgroups (192 rows) keep the tensor cores busier than two; d = 192 and 256 take 96- and
 # 80-key blocks so that O (96 and 128 registers a thread) still fits (d = 192 not yet tuned).
 # Ping-pong measured +5-12% at d = 64 and +1-16% at d = 128, nothing at d = 256; advanced
-# descriptors +1.5-4% at d = 128 without a mask, 3-7% slower at d = 64 causal, +1-2.5% at d = 192
+# descriptors +1.5-4% at d = 128 without a mask, 3-7% slower at d = 64 causal, +1-3.5% at d = 192
 # and 256 (with the kernel's warp-uniform warpgroup index there: no R2UR, no spills).
 _TILES = {64: Sm90FwdTile(192, 128, 2, ping_pong=True),
           128: Sm90FwdTile(128, 128, 2, ping_pong=True, advance_descs=True),
