@@ -68,11 +68,17 @@ _TILES = {64: Sm90FwdTile(192, 128, 2, ping_pong=True),
 #   (without a mask 0.95 at 512 and 1k).
 TWO_CONSUMER_TILES = {64: Sm90FwdTile(128, 128, 2, ping_pong=True)}
 SHORT_CAUSAL_KEYS = 1024
+# d = 64 without a mask or score mods: descriptors advanced. H200, 7 alternating rounds, speed
+# advanced / not at 1k / 4k / 16k: 0.99 / 1.02 / 1.02; causal 0.97 / 0.99 / 0.97, softcap 0.99, a
+# 256-key window (two consumers) 0.93, a 64-key one 1.02 (docs/PERF_NOTES.md).
+PLAIN_TILES = {64: Sm90FwdTile(192, 128, 2, ping_pong=True, advance_descs=True)}
 
 
-def tile_for(head_dim: int, mask: str, keys_per_row: int | None = None) -> Sm90FwdTile:
-    """The tile of a head dim under a mask; `keys_per_row` bounds the keys a row sees (None: not
-    known, the head dim's own tile)."""
+def tile_for(head_dim: int, mask: str, keys_per_row: int | None = None, score_mod: bool = False) -> Sm90FwdTile:
+    """The tile of a head dim under a mask and score mods or none; `keys_per_row` bounds the keys a
+    row sees (None: not known, the head dim's own tile)."""
+    if mask == "none" and not score_mod:
+        return PLAIN_TILES.get(head_dim, _TILES[head_dim])
     tile = _TILES[head_dim]
     if keys_per_row is not None and ((mask == "local" and keys_per_row > tile.block_n)
                                      or (mask == "causal" and keys_per_row <= SHORT_CAUSAL_KEYS)):
@@ -181,7 +187,7 @@ def variant(head_dim: int, dtype: str, mask: str, score_mod: bool = False,
     row may see (None: not known), picks the tile (tile_for) and, unless stage_o is False, where O
     is staged (stages_o_in_q; None: not staged under a band)."""
     mask_flags(mask)  # validates
-    tile = tile_for(head_dim, mask, keys_per_row)
+    tile = tile_for(head_dim, mask, keys_per_row, score_mod)
     return Sm90FwdVariant(head_dim, tile, mask, dtype, bool(score_mod),
                           stages_o_in_q(head_dim, tile, mask, keys_per_row if stage_o else None))
 

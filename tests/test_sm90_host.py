@@ -1,5 +1,7 @@
 """The sm90 families' host side, on the CPU: their kernel arguments and the forward's tile order."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -201,7 +203,12 @@ def test_head_dim_64_takes_two_consumer_warpgroups_for_wide_bands_and_short_caus
         assert sm90_fwd.tile_for(64, mask, keys) == two, (mask, keys)
     for mask, keys in (("local", block_n), ("local", None), ("causal", short + 1), ("causal", None),
                        ("none", 1), ("none", 10 ** 6)):
-        assert sm90_fwd.tile_for(64, mask, keys) == three, (mask, keys)
+        assert sm90_fwd.tile_for(64, mask, keys, score_mod=mask == "none") == three, (mask, keys)
+    # without a mask or score mods: the same tile with advanced descriptors
+    plain = sm90_fwd.PLAIN_TILES[64]
+    assert plain != three and dataclasses.replace(plain, advance_descs=False) == three
+    for keys in (None, 1, 10 ** 6):
+        assert sm90_fwd.tile_for(64, "none", keys) == plain
     for d in (128, 192, 256):
         for mask, keys in (("local", 10 ** 6), ("causal", 512)):
             assert sm90_fwd.tile_for(d, mask, keys) == sm90_fwd._TILES[d]
