@@ -410,10 +410,10 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
     const u32 smem = b.smem, sK = smem, sV = smem + T::kOffV, sQ = smem + T::kOffQ, sdO = smem + T::kOffDO;
     const u32 sdS = smem + T::kOffDS;
     const int seqlen_q = b.seq.seqlen_q, seqlen_k = b.seq.seqlen_k, key0 = b.key0;
-    // without a band or score mods: the warpgroup index warp-uniform and K_j's, V_j's descriptors
-    // held in uniform registers (d = 64 1-8% faster from 4k, d = 128 1-3%); with them level to 3%
-    // slower (docs/PERF_NOTES.md)
-    constexpr bool kUniformWG = !Is_causal && !Is_local && !Has_score_mod;
+    // without a band or score mods, and causal at d = 64: the warpgroup index warp-uniform and K_j's,
+    // V_j's descriptors held in uniform registers (d = 64 1-8% faster from 4k, causal 1-3%, d = 128
+    // 1-3%); elsewhere level to 3% slower (docs/PERF_NOTES.md)
+    constexpr bool kUniformWG = (kHeadDim == 64 || !Is_causal) && !Is_local && !Has_score_mod;
     const int consumer = (kUniformWG ? warpgroup_index() : tid / 128) - 1;
     const int lane = tid & 31, warp = (tid / 32) % 4, g = lane >> 2, t = lane & 3;
     const int key_wg0 = 64 * consumer;                 // this warpgroup's first key in the block
