@@ -14,7 +14,7 @@ import ctypes
 import functools
 import importlib.util
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -71,7 +71,7 @@ SHORT_CAUSAL_KEYS = 1024
 # d = 64 without a mask or score mods: descriptors advanced. H200, 7 alternating rounds, speed
 # advanced / not at 1k / 4k / 16k: 0.99 / 1.02 / 1.02; causal 0.97 / 0.99 / 0.97, softcap 0.99, a
 # 256-key window (two consumers) 0.93, a 64-key one 1.02 (docs/PERF_NOTES.md).
-PLAIN_TILES = {64: Sm90FwdTile(192, 128, 2, ping_pong=True, advance_descs=True)}
+PLAIN_TILES = {64: replace(_TILES[64], advance_descs=True)}
 
 
 def tile_for(head_dim: int, mask: str, keys_per_row: int | None = None, score_mod: bool = False) -> Sm90FwdTile:
