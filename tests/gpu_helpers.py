@@ -86,6 +86,11 @@ def check_lse(lse, ref_lse) -> None:
     assert lse_err < 1e-3 * max(1.0, np.abs(ref_lse[finite]).max(initial=0.0)), f"LSE error {lse_err:.2e}"
 
 
+def _bound(tol, error, plain) -> float:
+    """tol, or twice error(plain) where that is larger (plain: the plain reference's gradient, or None)."""
+    return tol if plain is None else max(tol, 2 * error(plain))
+
+
 def check_grads(grads, refs, dtype_name, label, plain=None) -> None:
     """dq, dk, dv (and dsinks) against the reference's. dq, dk, dv by grad_rel_err within GRAD_TOL;
     dsinks against their largest entry within the forward's bound: they sum D = rowsum(dO * O) over
@@ -98,16 +103,13 @@ def check_grads(grads, refs, dtype_name, label, plain=None) -> None:
         gh = to_host64(g)
         assert not np.isnan(gh).any(), (label, name, "unwritten (poisoned) or NaN elements")
         if name == "dsinks":
-            bound = REL_TOL[dtype_name] * np.abs(r).max()
-            if plain is not None:
-                bound = max(bound, 2 * np.abs(plain[i] - r).max())
-            assert np.abs(gh - r).max() <= bound, (label, gh, r, bound)
+            error = lambda x: np.abs(x - r).max()
+            bound = _bound(REL_TOL[dtype_name] * np.abs(r).max(), error, None if plain is None else plain[i])
+            assert error(gh) <= bound, (label, gh, r, bound)
         else:
-            err = grad_rel_err(gh, r, refs[2])
-            bound = GRAD_TOL[dtype_name]
-            if plain is not None:
-                bound = max(bound, 2 * grad_rel_err(plain[i], r, refs[2]))
-            assert err < bound, (label, name, err, bound)
+            error = lambda x: grad_rel_err(x, r, refs[2])
+            bound = _bound(GRAD_TOL[dtype_name], error, None if plain is None else plain[i])
+            assert error(gh) < bound, (label, name, error(gh), bound)
 
 
 def check_grads_per_sequence(grads, refs, cu_seqlens_q, cu_seqlens_k, dtype_name, label, plain=None) -> None:
@@ -124,11 +126,9 @@ def check_grads_per_sequence(grads, refs, cu_seqlens_q, cu_seqlens_k, dtype_name
         dv_ref = refs[2][keys]
         for i, (name, g, r, part) in enumerate(zip(("dq", "dk", "dv"), hosts, refs, (rows, keys, keys))):
             assert not np.isnan(g[part]).any(), (label, b, name, "unwritten (poisoned) or NaN elements")
-            err = grad_rel_err(g[part], r[part], dv_ref)
-            bound = GRAD_TOL[dtype_name]
-            if plain is not None:
-                bound = max(bound, 2 * grad_rel_err(plain[i][part], r[part], dv_ref))
-            assert err < bound, (label, f"sequence {b}", name, err, bound)
+            error = lambda x: grad_rel_err(x, r[part], dv_ref)
+            bound = _bound(GRAD_TOL[dtype_name], error, None if plain is None else plain[i][part])
+            assert error(g[part]) < bound, (label, f"sequence {b}", name, error(g[part]), bound)
 
 
 def _problem(q, k, options, varlen=False):
