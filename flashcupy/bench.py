@@ -47,7 +47,7 @@ DEFAULT_HIDDEN = 2048
 DEFAULT_REPEATS = 20
 DEFAULT_WARMUP = 3
 DEFAULT_ROUNDS = 1
-WARMUP_SECONDS = 0.1
+WARMUP_SECONDS = 0.1  # the default settle: enough for the clocks to leave idle, not for a power cap
 # Variants of the causal case in the default sweep: GQA with 4 query heads per kv head
 # (d=64: 32 query heads, 8 kv heads) and a Mistral-style sliding window, causal with 1024 keys back.
 VARIANTS = ("plain", "gqa", "window")
@@ -69,7 +69,7 @@ FIELDS = {
     "family": "flashcupy: the kernel families that ran, forward / backward (registry.py); null for peers",
     "status": "ok, OOM (out of device memory), err (failed, see note) or n/a (cannot run this case, see note)",
     "ms": "median of `repeats` CUDA-event timings on the current stream, after the first call and "
-          f"untimed calls (at least `warmup`, for at least {WARMUP_SECONDS} s); with `rounds` > 1 that of the "
+          "untimed calls (at least `warmup`, for at least `settle` seconds); with `rounds` > 1 that of the "
           "median round, the implementations' order turning each round",
     "tflops": "attention_flops(...) / ms, the FA2 paper's count (causal halves it; bwd 2.5x, fwdbwd 3.5x fwd); "
               "with a window, 4 * headdim FLOPs per visible (query, key) pair instead",
@@ -186,7 +186,8 @@ def sweep_shapes(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causal=(F
 
 
 def run_sweep(shapes, impls=("flashcupy",) + DEFAULT_PEERS, repeats=DEFAULT_REPEATS,
-              warmup=DEFAULT_WARMUP, records: list | None = None, rounds=DEFAULT_ROUNDS) -> list[dict]:
+              warmup=DEFAULT_WARMUP, records: list | None = None, rounds=DEFAULT_ROUNDS,
+              settle=WARMUP_SECONDS) -> list[dict]:
     """Benchmark every implementation on every shape; one record per pair, in order.
 
     `shapes` may be any iterable (the CLI passes a click progress bar over the list). Each shape's
@@ -195,12 +196,12 @@ def run_sweep(shapes, impls=("flashcupy",) + DEFAULT_PEERS, repeats=DEFAULT_REPE
     """
     records = [] if records is None else records
     for shape in shapes:
-        records.extend(bench_shape(shape, impls, repeats, warmup, rounds))
+        records.extend(bench_shape(shape, impls, repeats, warmup, rounds, settle))
     return records
 
 
 def bench_shape(shape: BenchShape, impls, repeats=DEFAULT_REPEATS, warmup=DEFAULT_WARMUP,
-                rounds=DEFAULT_ROUNDS) -> list[dict]:
+                rounds=DEFAULT_ROUNDS, settle=WARMUP_SECONDS) -> list[dict]:
     """Records for one shape, each implementation on the same inputs. Failures become cells.
 
     With rounds > 1 the implementations are timed that many times, their order turning by one each
@@ -217,7 +218,7 @@ def bench_shape(shape: BenchShape, impls, repeats=DEFAULT_REPEATS, warmup=DEFAUL
         for turn in range(rounds if impls else 0):
             for impl in impls[turn % len(impls):] + impls[:turn % len(impls)]:
                 if all(r["status"] == "ok" for r in by_impl[impl]):
-                    by_impl[impl].append(_bench_impl(impl, shape, inputs, repeats, warmup))
+                    by_impl[impl].append(_bench_impl(impl, shape, inputs, repeats, warmup, settle))
         records = [median_round(by_impl[impl]) for impl in impls]
         del inputs
     _release_cupy_memory()
@@ -309,12 +310,12 @@ def outcome_of(record: dict):
             mark_failed(record, exc, suffix=f" ({_one_line(str(caught[0].message))})" if caught else "")
 
 
-def _bench_impl(impl, shape, inputs, repeats, warmup) -> dict:
+def _bench_impl(impl, shape, inputs, repeats, warmup, settle=WARMUP_SECONDS) -> dict:
     record = new_record(shape, impl)
     runtime = None
     with outcome_of(record):
         runtime = _runtime_for(impl)
-        first_ms, ms, peak = _measure(impl, shape, inputs, runtime, repeats, warmup)
+        first_ms, ms, peak = _measure(impl, shape, inputs, runtime, repeats, warmup, settle)
         record.update(ms=ms, tflops=_flops(shape) / (ms * 1e-3) / 1e12, first_call_ms=first_ms,
                       peak_extra_bytes=peak)
     if runtime is not None:  # the step and its buffers are gone by now: hand memory back
@@ -322,10 +323,10 @@ def _bench_impl(impl, shape, inputs, repeats, warmup) -> dict:
     return record
 
 
-def _measure(impl, shape, inputs, runtime, repeats, warmup):
+def _measure(impl, shape, inputs, runtime, repeats, warmup, settle=WARMUP_SECONDS):
     """(first call ms, median ms, peak extra bytes); the step's closures die with this frame."""
     step = _make_step(impl, shape, inputs)
-    first_ms, ms = time_step(step, runtime, repeats, warmup)
+    first_ms, ms = time_step(step, runtime, repeats, warmup, settle)
     return first_ms, ms, runtime.peak_extra_bytes(step)
 
 
@@ -386,10 +387,12 @@ def _release_cupy_memory() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def run_untimed(step, synchronize, warmup=DEFAULT_WARMUP) -> None:
-    """Untimed calls, at least `warmup` of them and WARMUP_SECONDS of them: after the idle of a
-    compile the GPU's clocks take a while to come back (short points read up to 2x slow)."""
-    deadline, calls = time.perf_counter() + WARMUP_SECONDS, 0
+def run_untimed(step, synchronize, warmup=DEFAULT_WARMUP, seconds=WARMUP_SECONDS) -> None:
+    """Untimed calls, at least `warmup` of them and `seconds` of them: after the idle of a compile
+    the GPU's clocks take a while to come back (short points read up to 2x slow), and under a power
+    cap they settle only after 1-2 s of load, at a level that depends on the kernel's energy per
+    FLOP (docs/PERF_NOTES.md): a short settle times the boost, and what ran before."""
+    deadline, calls = time.perf_counter() + seconds, 0
     while calls < warmup or time.perf_counter() < deadline:
         step()
         calls += 1
@@ -398,11 +401,12 @@ def run_untimed(step, synchronize, warmup=DEFAULT_WARMUP) -> None:
     synchronize()
 
 
-def time_step(step, runtime, repeats=DEFAULT_REPEATS, warmup=DEFAULT_WARMUP) -> tuple[float, float]:
+def time_step(step, runtime, repeats=DEFAULT_REPEATS, warmup=DEFAULT_WARMUP,
+              settle=WARMUP_SECONDS) -> tuple[float, float]:
     """(first call ms by wall clock, median ms of `repeats` event-timed calls).
 
     The first call (compile, plan selection) is timed alone, then untimed calls (at least `warmup`,
-    for at least WARMUP_SECONDS); the timed calls are queued back to back, each between two events,
+    for at least `settle` seconds); the timed calls are queued back to back, each between two events,
     with one synchronize at the end, so host launch overhead is hidden unless it exceeds the GPU time.
     """
     runtime.synchronize()
@@ -410,7 +414,7 @@ def time_step(step, runtime, repeats=DEFAULT_REPEATS, warmup=DEFAULT_WARMUP) -> 
     step()
     runtime.synchronize()
     first_ms = (time.perf_counter() - t0) * 1e3
-    run_untimed(step, runtime.synchronize, warmup)
+    run_untimed(step, runtime.synchronize, warmup, settle)
     events = [(runtime.event(), runtime.event()) for _ in range(repeats)]
     for start, end in events:
         start.record()

@@ -275,6 +275,9 @@ def main():
               help="Timed calls per case; the median is reported.")
 @click.option("--warmup", type=click.IntRange(min=0), default=bench.DEFAULT_WARMUP, show_default=True,
               help="Untimed calls after the first one.")
+@click.option("--settle", type=click.FloatRange(min=0), default=bench.WARMUP_SECONDS, show_default=True,
+              help="Seconds of untimed calls before each implementation's timed ones. A power-capped GPU "
+                   "(H100, H200 at 700 W) reaches its steady clock after 1-2 s of load: 2 times that.")
 @click.option("--rounds", type=click.IntRange(min=1), default=bench.DEFAULT_ROUNDS, show_default=True,
               help="Time each case this many times, the implementations' order turning each round; each "
                    "keeps its median round (steadier same-run comparisons).")
@@ -305,12 +308,13 @@ def main():
               help="--decode: the HBM peak in TB/s [default: memory clock x bus width x 2 from the device].")
 @click.pass_context
 def bench_command(ctx, seqlens, head_dims, causal, variants, dtypes, modes, total_tokens, hidden, peers, repeats,
-                  warmup, rounds, json_path, plot_path, quiet, decode, batches, kv_lens, heads, layouts, page_size,
+                  warmup, settle, rounds, json_path, plot_path, quiet, decode, batches, kv_lens, heads, layouts, page_size,
                   hbm_peak):
     """Time flashcupy against its peers over the FA2 paper's sweep (or, with --decode, a decode sweep)."""
     given = {name for name in ctx.params
              if ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT, None)}
-    forward_only = {"seqlens", "causal", "variants", "modes", "total_tokens", "hidden", "plot_path", "rounds"}
+    forward_only = {"seqlens", "causal", "variants", "modes", "total_tokens", "hidden", "plot_path", "rounds",
+                    "settle"}
     decode_only = {"batches", "kv_lens", "heads", "layouts", "page_size", "hbm_peak"}
     wrong = sorted(given & (forward_only if decode else decode_only))
     if wrong:
@@ -354,18 +358,21 @@ def bench_command(ctx, seqlens, head_dims, causal, variants, dtypes, modes, tota
                    f"commit {metadata['git_commit'] or '-'}")
     records = []
     if quiet:
-        interrupted = _until_interrupted(lambda: bench.run_sweep(shapes, impls, repeats, warmup, records, rounds))
+        interrupted = _until_interrupted(lambda: bench.run_sweep(shapes, impls, repeats, warmup, records, rounds,
+                                                                                settle))
     else:
         with click.progressbar(shapes, label="bench", file=sys.stderr,
                                item_show_func=lambda s: str(s) if s else None) as bar:
-            interrupted = _until_interrupted(lambda: bench.run_sweep(bar, impls, repeats, warmup, records, rounds))
+            interrupted = _until_interrupted(lambda: bench.run_sweep(bar, impls, repeats, warmup, records, rounds,
+                                                                                    settle))
         click.echo(bench.format_table(records))
     _record_process_kernels(info)
 
     config = {"seqlens": list(seqlens), "head_dims": list(head_dims), "causal": list(_OFF_ON[causal]),
               "variants": list(variants), "window": bench.DEFAULT_WINDOW, "gqa_group": bench.GQA_GROUP,
               "dtypes": list(dtypes), "modes": list(modes), "total_tokens": total_tokens, "hidden": hidden,
-              "impls": list(impls), "repeats": repeats, "warmup": warmup, "rounds": rounds, "interrupted": interrupted}
+              "impls": list(impls), "repeats": repeats, "warmup": warmup, "settle": settle, "rounds": rounds,
+              "interrupted": interrupted}
     document = bench.results_document(records, metadata, config)
     if json_path:
         bench.write_json(document, json_path)

@@ -297,7 +297,7 @@ def test_bench_rounds_turn_the_order_and_keep_each_median_round(monkeypatch):
     monkeypatch.setattr(bench, "make_inputs", lambda shape, seed=0: (None, None, None, None))
     order, times = [], {"flashcupy": [3.0, 1.0, 2.0], "naive": [5.0, 4.0, 6.0]}
 
-    def fake_bench_impl(impl, shape, inputs, repeats, warmup):
+    def fake_bench_impl(impl, shape, inputs, repeats, warmup, settle):
         order.append(impl)
         record = bench.new_record(shape, impl)
         if impl == "sdpa_flash":
@@ -314,16 +314,23 @@ def test_bench_rounds_turn_the_order_and_keep_each_median_round(monkeypatch):
     assert bench.bench_shape(shape, (), repeats=1, warmup=0, rounds=3) == []
 
 
-def test_bench_passes_rounds(monkeypatch, fake_gpu):
+def test_bench_passes_rounds_and_settle(monkeypatch, fake_gpu, tmp_path):
     monkeypatch.setattr(bench, "collect_metadata", lambda: dict(FAKE_METADATA))
     seen = []
-    monkeypatch.setattr(bench, "bench_shape", lambda shape, impls, repeats, warmup, rounds: seen.append(rounds) or [])
-    result = invoke("bench", "--seqlens", "512", "--head-dims", "64", "--causal", "off", "--variants", "plain",
-                    "--mode", "fwd", "--peers", "none", "--rounds", "3", "--quiet")
+    monkeypatch.setattr(bench, "bench_shape",
+                        lambda shape, impls, repeats, warmup, rounds, settle: seen.append((rounds, settle)) or [])
+    args = ("bench", "--seqlens", "512", "--head-dims", "64", "--causal", "off", "--variants", "plain", "--mode", "fwd",
+            "--peers", "none", "--quiet")
+    result = invoke(*args, "--rounds", "3", "--settle", "2.5", "--json", str(tmp_path / "b.json"))
     assert result.exit_code == 0, result.output
-    assert seen == [3]
-    result = invoke("bench", "--decode", "--rounds", "2")
-    assert result.exit_code != 0 and "--rounds does not apply to --decode" in result.output
+    assert seen == [(3, 2.5)]
+    assert bench.load_json(tmp_path / "b.json")["config"]["settle"] == 2.5
+    assert invoke(*args).exit_code == 0 and seen[-1] == (1, bench.WARMUP_SECONDS)
+    for option, value in (("--rounds", "2"), ("--settle", "1")):
+        result = invoke("bench", "--decode", option, value)
+        assert result.exit_code != 0 and f"{option} does not apply to --decode" in result.output
+    result = invoke(*args, "--settle", "-1")
+    assert result.exit_code != 0 and "--settle" in result.output
 
 
 def test_naive_has_no_backward(monkeypatch):
@@ -560,3 +567,7 @@ def test_time_step_warms_up_for_a_while_then_times_each_call():
     assert time.perf_counter() - t0 >= bench.WARMUP_SECONDS
     assert ms == 2.0 and first_ms >= 0
     assert runtime.syncs >= untimed // 8  # the host does not run far ahead of the GPU while warming
+    calls.clear()
+    t0 = time.perf_counter()
+    bench.time_step(step, runtime, repeats=2, warmup=1, settle=0.3)  # a power cap's steady clock
+    assert time.perf_counter() - t0 >= 0.3 and calls[-3] - calls[1] >= 0.15
