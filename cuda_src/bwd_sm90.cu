@@ -429,166 +429,180 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
     const u32 sK_wg = sK + key_wg0 * 128, sV_wg = sV + key_wg0 * 128;
 
     mbar_wait(b.kv_full(), 0);
-    for (int it = 0; it < b.m_count; ++it) {
-        const int s = it % kStages, m_block = b.m_block_min + it, q0 = m_block * kBlockM;
-        const u32 sQ_s = sQ + s * T::kQBytes, sdO_s = sdO + s * T::kQBytes, sdS_b = sdS + (it & 1) * T::kDSBytes;
-        float acc_s[1][kBlockM / 8][4], acc_dp[1][kBlockM / 8][4];  // S^T, dP^T: 64 keys x kBlockM queries
-        float(&s_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(acc_s);
-        float(&dp_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(acc_dp);
-        // acc = A B^T over the head dim, A this warpgroup's 64 rows of K or V, B kBlockM rows of Q or dO;
-        // each k step's descriptors are the tiles' advanced by constants
-        auto issue_ss = [&](float (&acc)[kBlockM / 2], u64 desc_a, u64 desc_b) {
+    // The walk over the q blocks, with the scores' mask code (walk_masked) or, where no score needs
+    // it, without: the unmasked build's blocks whose keys lie inside seqlen_k, outside varlen (rows
+    // past seqlen_q read as zeros with LSE +inf and D 0, so P and dS are 0 there already). Called
+    // with a constant each way, inlined twice: a branch in the step instead would split its basic
+    // block (ptxas then waits for dP^T before P^T).
+    auto walk = [&](const bool walk_masked) {
+        for (int it = 0; it < b.m_count; ++it) {
+            const int s = it % kStages, m_block = b.m_block_min + it, q0 = m_block * kBlockM;
+            const u32 sQ_s = sQ + s * T::kQBytes, sdO_s = sdO + s * T::kQBytes, sdS_b = sdS + (it & 1) * T::kDSBytes;
+            float acc_s[1][kBlockM / 8][4], acc_dp[1][kBlockM / 8][4];  // S^T, dP^T: 64 keys x kBlockM queries
+            float(&s_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(acc_s);
+            float(&dp_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(acc_dp);
+            // acc = A B^T over the head dim, A this warpgroup's 64 rows of K or V, B kBlockM rows of Q or dO;
+            // each k step's descriptors are the tiles' advanced by constants
+            auto issue_ss = [&](float (&acc)[kBlockM / 2], u64 desc_a, u64 desc_b) {
 #pragma unroll
-            for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-                const u32 chunk = ks / 4, col_bytes = (ks % 4) * 32;
-                Wgmma<kBlockM, Is_bf16>::ss(acc, gmma_desc_advance(desc_a, chunk * kBlockN * 128 + col_bytes),
-                                            gmma_desc_advance(desc_b, chunk * kBlockM * 128 + col_bytes), ks > 0);
+                for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+                    const u32 chunk = ks / 4, col_bytes = (ks % 4) * 32;
+                    Wgmma<kBlockM, Is_bf16>::ss(acc, gmma_desc_advance(desc_a, chunk * kBlockN * 128 + col_bytes),
+                                                gmma_desc_advance(desc_b, chunk * kBlockM * 128 + col_bytes), ks > 0);
+                }
+                wgmma_commit();
+            };
+            mbar_wait(b.q_full(s), (it / kStages) & 1);
+            wgmma_fence();
+            // K_j and V_j do not change: with kUniformWG their descriptors stay in uniform registers,
+            // else they are rebuilt each step (in_place), not held in per-thread registers
+            auto kv_base = [&](u32 tile) { return kUniformWG ? tile : in_place(tile); };
+            issue_ss(s_flat, gmma_desc(kv_base(sK_wg), 16, 1024), gmma_desc(sQ_s, 16, 1024));
+            issue_ss(dp_flat, gmma_desc(kv_base(sV_wg), 16, 1024), gmma_desc(sdO_s, 16, 1024));
+            // this stage's LSE_i log2 e, then D_i; a thread's two queries in a tile are adjacent (one
+            // float2). With 64 queries LSE_i is read while the wgmmas run (with 128 there are no
+            // registers for it), D_i after P^T.
+            const float* lse_s = b.lse_stage(s);
+            constexpr bool kLseEarly = !Has_score_mod && kBlockM == 64;
+            float2 lse2[kBlockM / 8], dsum2[kBlockM / 8];
+            if constexpr (kLseEarly) {
+#pragma unroll
+                for (int nt = 0; nt < kBlockM / 8; ++nt)
+                    lse2[nt] = *reinterpret_cast<const float2*>(lse_s + 8 * nt + 2 * t);
             }
-            wgmma_commit();
-        };
-        mbar_wait(b.q_full(s), (it / kStages) & 1);
-        wgmma_fence();
-        // K_j and V_j do not change: with kUniformWG their descriptors stay in uniform registers,
-        // else they are rebuilt each step (in_place), not held in per-thread registers
-        auto kv_base = [&](u32 tile) { return kUniformWG ? tile : in_place(tile); };
-        issue_ss(s_flat, gmma_desc(kv_base(sK_wg), 16, 1024), gmma_desc(sQ_s, 16, 1024));
-        issue_ss(dp_flat, gmma_desc(kv_base(sV_wg), 16, 1024), gmma_desc(sdO_s, 16, 1024));
-        // this stage's LSE_i log2 e, then D_i; a thread's two queries in a tile are adjacent (one
-        // float2). With 64 queries LSE_i is read while the wgmmas run (with 128 there are no
-        // registers for it), D_i after P^T.
-        const float* lse_s = b.lse_stage(s);
-        constexpr bool kLseEarly = !Has_score_mod && kBlockM == 64;
-        float2 lse2[kBlockM / 8], dsum2[kBlockM / 8];
-        if constexpr (kLseEarly) {
-#pragma unroll
-            for (int nt = 0; nt < kBlockM / 8; ++nt)
-                lse2[nt] = *reinterpret_cast<const float2*>(lse_s + 8 * nt + 2 * t);
-        }
-        wgmma_wait<1>();  // S^T done; dP^T still running
-        fence_regs(s_flat);
+            wgmma_wait<1>();  // S^T done; dP^T still running
+            fence_regs(s_flat);
 
-        // P^T in place of S^T and a_p, P^T in the input dtype (dV's A operand); then dS^T in place of dP^T
-        const bool needs_mask = q0 + kBlockM > seqlen_q || key0 + kBlockN > seqlen_k ||
-                                ((Is_causal || Is_local) && b.mask.tile_needs_mask(q0, b.n_block));
-        u32 a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
-        if constexpr (Has_score_mod) {
-            Sm90ScoreModProbs<kBlockM, kBlockN, Is_causal, Is_local, Is_bf16> probs{
-                acc_s, a_p, lse_s, mod, b.mask, key0 + key_w0 + g, q0, 2 * t, seqlen_q, seqlen_k, needs_mask};
-            mod.dispatch(probs);
-        } else {
-            const int key_row = key0 + key_w0 + g;
-            if constexpr (Is_causal || Is_local) {
-                // Masked steps take their own copy: with the flag tested per score, the causal builds
-                // branched on it per score on every step (12-18% slower)
-                if (needs_mask)
+            // P^T in place of S^T and a_p, P^T in the input dtype (dV's A operand); then dS^T in place of dP^T
+            const bool needs_mask = q0 + kBlockM > seqlen_q || key0 + kBlockN > seqlen_k ||
+                                    ((Is_causal || Is_local) && b.mask.tile_needs_mask(q0, b.n_block));
+            u32 a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
+            if constexpr (Has_score_mod) {
+                Sm90ScoreModProbs<kBlockM, kBlockN, Is_causal, Is_local, Is_bf16> probs{
+                    acc_s, a_p, lse_s, mod, b.mask, key0 + key_w0 + g, q0, 2 * t, seqlen_q, seqlen_k, needs_mask};
+                mod.dispatch(probs);
+            } else {
+                const int key_row = key0 + key_w0 + g;
+                if constexpr (Is_causal || Is_local) {
+                    // Masked steps take their own copy: with the flag tested per score, the causal builds
+                    // branched on it per score on every step (12-18% slower)
+                    if (needs_mask)
+                        bwd_probs<true, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t, seqlen_q,
+                                                   seqlen_k, true);
+                    else
+                        bwd_probs<false, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t, seqlen_q,
+                                                    seqlen_k, false);
+                } else if (walk_masked) {  // the flag tested per score, predicated (split per step: 9% slower)
                     bwd_probs<true, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t, seqlen_q,
-                                               seqlen_k, true);
-                else
+                                               seqlen_k, needs_mask);
+                } else {
                     bwd_probs<false, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t, seqlen_q,
                                                 seqlen_k, false);
-            } else {  // one copy, the flag tested per score: predicated here (the split read up to 9% slower)
-                bwd_probs<true, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t, seqlen_q,
-                                           seqlen_k, needs_mask);
+                }
+#pragma unroll
+                for (int kk = 0; kk < kBlockM / 16; ++kk)
+                    acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
             }
+            wgmma_wait<0>();  // dP^T done
+            fence_regs(dp_flat);
 #pragma unroll
-            for (int kk = 0; kk < kBlockM / 16; ++kk)
-                acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
-        }
-        wgmma_wait<0>();  // dP^T done
-        fence_regs(dp_flat);
-#pragma unroll
-        for (int nt = 0; nt < kBlockM / 8; ++nt)
-            dsum2[nt] = *reinterpret_cast<const float2*>(lse_s + kBlockM + 8 * nt + 2 * t);
-#pragma unroll
-        for (int nt = 0; nt < kBlockM / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                acc_dp[0][nt][e] = acc_s[0][nt][e] * (acc_dp[0][nt][e] - (e % 2 ? dsum2[nt].y : dsum2[nt].x));
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-            acc_to_a_frag<Is_bf16>(acc_dp[0][2 * kk], acc_dp[0][2 * kk + 1], a_ds[kk]);
-        // dS^T to shared memory in chunks of 64 queries ([kBlockN keys][64], 128-byte rows): chunk
-        // nt / 8, row key, 16-byte unit nt % 8 swizzled with the row's low three bits (g): the
-        // address of unit g, XOR (nt % 8) << 4. Two buffers: the other warpgroup may still read the
-        // last q block's (its dQ wgmma), not the one before, which it finished before the last dS^T
-        // barrier.
-        if constexpr (T::kDQTransposed) {
-            // dS untransposed ([kBlockM queries][64 keys] chunks) by stmatrix .trans: matrix i = lane / 8
-            // is query tile nt + i / 2, keys key_w0 + 8 (i % 2) ..; its row r = lane % 8 is query 8 (nt
-            // + i / 2) + r, whose 8 keys fill 16-byte unit (key_w0 % 64) / 8 + i % 2, swizzled with r
-            const int i = lane / 8, r = lane % 8;
-            const u32 ds_unit = in_place(sdS_b + (key_w0 / 64) * kBlockM * 128 + (8 * (i / 2) + r) * 128 +
-                                         ((((key_w0 % 64) / 8 + i % 2) ^ r) << 4));
-#pragma unroll
-            for (int nt = 0; nt < kBlockM / 8; nt += 2)
-                stmatrix_x4_trans(ds_unit + nt * 8 * 128, pack_f32x2<Is_bf16>(acc_dp[0][nt][0], acc_dp[0][nt][1]),
-                                  pack_f32x2<Is_bf16>(acc_dp[0][nt][2], acc_dp[0][nt][3]),
-                                  pack_f32x2<Is_bf16>(acc_dp[0][nt + 1][0], acc_dp[0][nt + 1][1]),
-                                  pack_f32x2<Is_bf16>(acc_dp[0][nt + 1][2], acc_dp[0][nt + 1][3]));
-        } else {
-            const u32 ds_row = in_place(sdS_b + (key_w0 + g) * 128 + (g << 4) + 4 * t);
+            for (int nt = 0; nt < kBlockM / 8; ++nt)
+                dsum2[nt] = *reinterpret_cast<const float2*>(lse_s + kBlockM + 8 * nt + 2 * t);
 #pragma unroll
             for (int nt = 0; nt < kBlockM / 8; ++nt)
 #pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    st_shared_u32(((ds_row + h * 8 * 128) ^ ((nt % 8) << 4)) + (nt / 8) * kBlockN * 128,
-                                  pack_f32x2<Is_bf16>(acc_dp[0][nt][2 * h], acc_dp[0][nt][2 * h + 1]));
-        }
-        // dV += P^T dO_i, under the dS^T barrier and ahead of dQ (issued before dS^T, under dP^T, it
-        // kept P^T's registers through dS^T: with 128 queries they do not fit, with 64 it measured
-        // 1-3% slower)
-        fence_regs(acc_dv);
-        wgmma_fence();
-        const u64 desc_do_n = gmma_desc(sdO_s, kBlockM * 128, 1024);
+                for (int e = 0; e < 4; ++e)
+                    acc_dp[0][nt][e] = acc_s[0][nt][e] * (acc_dp[0][nt][e] - (e % 2 ? dsum2[nt].y : dsum2[nt].x));
 #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-            Wgmma<kHeadDim, Is_bf16>::rs(acc_dv, a_p[kk], gmma_desc_advance(desc_do_n, kk * 2048));
-        wgmma_commit();
-        fence_proxy_async_shared();  // dS^T visible to the wgmma (async proxy)
-        named_bar_sync(T::kBarDS, T::kConsumers);
+            for (int kk = 0; kk < kBlockM / 16; ++kk)
+                acc_to_a_frag<Is_bf16>(acc_dp[0][2 * kk], acc_dp[0][2 * kk + 1], a_ds[kk]);
+            // dS^T to shared memory in chunks of 64 queries ([kBlockN keys][64], 128-byte rows): chunk
+            // nt / 8, row key, 16-byte unit nt % 8 swizzled with the row's low three bits (g): the
+            // address of unit g, XOR (nt % 8) << 4. Two buffers: the other warpgroup may still read the
+            // last q block's (its dQ wgmma), not the one before, which it finished before the last dS^T
+            // barrier.
+            if constexpr (T::kDQTransposed) {
+                // dS untransposed ([kBlockM queries][64 keys] chunks) by stmatrix .trans: matrix i = lane / 8
+                // is query tile nt + i / 2, keys key_w0 + 8 (i % 2) ..; its row r = lane % 8 is query 8 (nt
+                // + i / 2) + r, whose 8 keys fill 16-byte unit (key_w0 % 64) / 8 + i % 2, swizzled with r
+                const int i = lane / 8, r = lane % 8;
+                const u32 ds_unit = in_place(sdS_b + (key_w0 / 64) * kBlockM * 128 + (8 * (i / 2) + r) * 128 +
+                                             ((((key_w0 % 64) / 8 + i % 2) ^ r) << 4));
+#pragma unroll
+                for (int nt = 0; nt < kBlockM / 8; nt += 2)
+                    stmatrix_x4_trans(ds_unit + nt * 8 * 128, pack_f32x2<Is_bf16>(acc_dp[0][nt][0], acc_dp[0][nt][1]),
+                                      pack_f32x2<Is_bf16>(acc_dp[0][nt][2], acc_dp[0][nt][3]),
+                                      pack_f32x2<Is_bf16>(acc_dp[0][nt + 1][0], acc_dp[0][nt + 1][1]),
+                                      pack_f32x2<Is_bf16>(acc_dp[0][nt + 1][2], acc_dp[0][nt + 1][3]));
+            } else {
+                const u32 ds_row = in_place(sdS_b + (key_w0 + g) * 128 + (g << 4) + 4 * t);
+#pragma unroll
+                for (int nt = 0; nt < kBlockM / 8; ++nt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        st_shared_u32(((ds_row + h * 8 * 128) ^ ((nt % 8) << 4)) + (nt / 8) * kBlockN * 128,
+                                      pack_f32x2<Is_bf16>(acc_dp[0][nt][2 * h], acc_dp[0][nt][2 * h + 1]));
+            }
+            // dV += P^T dO_i, under the dS^T barrier and ahead of dQ (issued before dS^T, under dP^T, it
+            // kept P^T's registers through dS^T: with 128 queries they do not fit, with 64 it measured
+            // 1-3% slower)
+            fence_regs(acc_dv);
+            wgmma_fence();
+            const u64 desc_do_n = gmma_desc(sdO_s, kBlockM * 128, 1024);
+#pragma unroll
+            for (int kk = 0; kk < kBlockM / 16; ++kk)
+                Wgmma<kHeadDim, Is_bf16>::rs(acc_dv, a_p[kk], gmma_desc_advance(desc_do_n, kk * 2048));
+            wgmma_commit();
+            fence_proxy_async_shared();  // dS^T visible to the wgmma (async proxy)
+            named_bar_sync(T::kBarDS, T::kConsumers);
 
-        // dQ_i (64 queries from row0 x kDQCols columns from col0) = dS (queries x keys) K (keys x
-        // columns); K's columns col0.. start (col0 % 64) * 2 bytes into a row of its 64-column
-        // chunk, the queries row0.. are dS^T's chunk row0 / 64
-        constexpr int kDQCols = T::kDQCols;
-        const int col0 = T::kDQSplitRows ? 0 : consumer * kDQCols, row0 = T::kDQSplitRows ? consumer * 64 : 0;
-        const u64 desc_k_dq =
-            gmma_desc(kv_base(sK + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2), kBlockN * 128, 1024);
-        float acc_dq[T::kDQTransposed ? kBlockM / 2 : kDQCols / 2];
-        if constexpr (T::kDQTransposed) {
-            // dQ_i^T (its 64 columns x kBlockM queries) = K_j^T (M-major: 16 keys 2048 bytes apart) dS^T
-            // (dS K-major: 16 keys 32 bytes apart in a 64-key chunk, chunks kBlockM * 128 bytes apart)
-            const u64 desc_ds = gmma_desc(sdS_b, 16, 1024);
+            // dQ_i (64 queries from row0 x kDQCols columns from col0) = dS (queries x keys) K (keys x
+            // columns); K's columns col0.. start (col0 % 64) * 2 bytes into a row of its 64-column
+            // chunk, the queries row0.. are dS^T's chunk row0 / 64
+            constexpr int kDQCols = T::kDQCols;
+            const int col0 = T::kDQSplitRows ? 0 : consumer * kDQCols, row0 = T::kDQSplitRows ? consumer * 64 : 0;
+            const u64 desc_k_dq =
+                gmma_desc(kv_base(sK + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2), kBlockN * 128, 1024);
+            float acc_dq[T::kDQTransposed ? kBlockM / 2 : kDQCols / 2];
+            if constexpr (T::kDQTransposed) {
+                // dQ_i^T (its 64 columns x kBlockM queries) = K_j^T (M-major: 16 keys 2048 bytes apart) dS^T
+                // (dS K-major: 16 keys 32 bytes apart in a 64-key chunk, chunks kBlockM * 128 bytes apart)
+                const u64 desc_ds = gmma_desc(sdS_b, 16, 1024);
 #pragma unroll
-            for (int kk = 0; kk < kBlockN / 16; ++kk)
-                Wgmma<kBlockM, Is_bf16>::ss_tn(acc_dq, gmma_desc_advance(desc_k_dq, kk * 2048),
-                                               gmma_desc_advance(desc_ds, (kk / 4) * kBlockM * 128 + (kk % 4) * 32),
-                                               kk > 0);
-        } else {
-            const u64 desc_ds = gmma_desc(sdS_b + (row0 / 64) * kBlockN * 128, kBlockN * 128, 1024);
+                for (int kk = 0; kk < kBlockN / 16; ++kk)
+                    Wgmma<kBlockM, Is_bf16>::ss_tn(acc_dq, gmma_desc_advance(desc_k_dq, kk * 2048),
+                                                   gmma_desc_advance(desc_ds, (kk / 4) * kBlockM * 128 + (kk % 4) * 32),
+                                                   kk > 0);
+            } else {
+                const u64 desc_ds = gmma_desc(sdS_b + (row0 / 64) * kBlockN * 128, kBlockN * 128, 1024);
 #pragma unroll
-            for (int kk = 0; kk < kBlockN / 16; ++kk)
-                Wgmma<kDQCols, Is_bf16>::ss_tt(acc_dq, gmma_desc_advance(desc_ds, kk * 2048),
-                                               gmma_desc_advance(desc_k_dq, kk * 2048), kk > 0);
+                for (int kk = 0; kk < kBlockN / 16; ++kk)
+                    Wgmma<kDQCols, Is_bf16>::ss_tt(acc_dq, gmma_desc_advance(desc_ds, kk * 2048),
+                                                   gmma_desc_advance(desc_k_dq, kk * 2048), kk > 0);
+            }
+            wgmma_commit();
+            // dK += dS^T Q_i
+            const u64 desc_q_n = gmma_desc(sQ_s, kBlockM * 128, 1024);
+            fence_regs(acc_dk);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kBlockM / 16; ++kk)
+                Wgmma<kHeadDim, Is_bf16>::rs(acc_dk, a_ds[kk], gmma_desc_advance(desc_q_n, kk * 2048));
+            wgmma_commit();
+            wgmma_wait<1>();  // dV, dQ_i done
+            fence_regs(acc_dv);
+            fence_regs(acc_dq);
+            if constexpr (T::kDQTransposed) hand_off_dq_transposed<T>(smem, consumer, warp, g, t, acc_dq);
+            else hand_off_dq<T>(smem, consumer, warp, g, t, acc_dq);
+            wgmma_wait<0>();  // dK done: Q_i, dO_i, a_ds free
+            fence_regs(acc_dk);
+            mbar_arrive(b.q_empty(s));  // Q_i, dO_i consumed
         }
-        wgmma_commit();
-        // dK += dS^T Q_i
-        const u64 desc_q_n = gmma_desc(sQ_s, kBlockM * 128, 1024);
-        fence_regs(acc_dk);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-            Wgmma<kHeadDim, Is_bf16>::rs(acc_dk, a_ds[kk], gmma_desc_advance(desc_q_n, kk * 2048));
-        wgmma_commit();
-        wgmma_wait<1>();  // dV, dQ_i done
-        fence_regs(acc_dv);
-        fence_regs(acc_dq);
-        if constexpr (T::kDQTransposed) hand_off_dq_transposed<T>(smem, consumer, warp, g, t, acc_dq);
-        else hand_off_dq<T>(smem, consumer, warp, g, t, acc_dq);
-        wgmma_wait<0>();  // dK done: Q_i, dO_i, a_ds free
-        fence_regs(acc_dk);
-        mbar_arrive(b.q_empty(s));  // Q_i, dO_i consumed
-    }
+    };
+    if (Is_causal || Is_local || Has_score_mod || p.cu_seqlens_q || p.cu_seqlens_k || key0 + kBlockN > seqlen_k)
+        walk(true);
+    else
+        walk(false);
 
     // dK (times softmax_scale) and dV through shared memory, in the Q and dO stages once both
     // consumers' last wgmmas have read them: stmatrix puts each warp's fragments into rows of keys
