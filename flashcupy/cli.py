@@ -308,8 +308,8 @@ def main():
               help="--decode: the HBM peak in TB/s [default: memory clock x bus width x 2 from the device].")
 @click.pass_context
 def bench_command(ctx, seqlens, head_dims, causal, variants, dtypes, modes, total_tokens, hidden, peers, repeats,
-                  warmup, settle, rounds, json_path, plot_path, quiet, decode, batches, kv_lens, heads, layouts, page_size,
-                  hbm_peak):
+                  warmup, settle, rounds, json_path, plot_path, quiet, decode, batches, kv_lens, heads, layouts,
+                  page_size, hbm_peak):
     """Time flashcupy against its peers over the FA2 paper's sweep (or, with --decode, a decode sweep)."""
     given = {name for name in ctx.params
              if ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT, None)}

@@ -283,7 +283,8 @@ def test_flashcupy_step_times_what_the_mode_names(monkeypatch, mode, at_setup, p
 def test_bench_default_modes(monkeypatch, fake_gpu):
     monkeypatch.setattr(bench, "collect_metadata", lambda: dict(FAKE_METADATA))
     seen = []
-    monkeypatch.setattr(bench, "bench_shape", lambda shape, impls, repeats, warmup, rounds: seen.append(shape) or [])
+    monkeypatch.setattr(bench, "bench_shape",
+                        lambda shape, impls, repeats, warmup, rounds, settle: seen.append(shape) or [])
     result = invoke("bench", "--seqlens", "512", "--head-dims", "64", "--causal", "off", "--variants", "plain",
                     "--peers", "none", "--quiet")
     assert result.exit_code == 0, result.output
@@ -402,7 +403,7 @@ def test_an_interrupted_bench_keeps_its_finished_shapes(monkeypatch, tmp_path, f
     monkeypatch.setattr(bench, "collect_metadata", lambda: dict(FAKE_METADATA))
     done = []
 
-    def fake_bench_shape(shape, impls, repeats, warmup, rounds):
+    def fake_bench_shape(shape, impls, repeats, warmup, rounds, settle):
         if len(done) == 2:
             raise KeyboardInterrupt
         done.append(shape)
@@ -434,7 +435,7 @@ def test_bench_command_glue(monkeypatch, tmp_path, fake_gpu):
     monkeypatch.setattr(bench, "torch_unavailable_reason", lambda: "torch is not importable")
     seen = []
 
-    def fake_bench_shape(shape, impls, repeats, warmup, rounds):
+    def fake_bench_shape(shape, impls, repeats, warmup, rounds, settle):
         seen.append((shape, impls, repeats, warmup, rounds))
         records = [{**bench.new_record(shape, impl), "ms": 1.0, "tflops": 100.0} for impl in impls]
         bench.fill_ratios(records)
