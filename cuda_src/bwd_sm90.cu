@@ -483,22 +483,16 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
                 mod.dispatch(probs);
             } else {
                 const int key_row = key0 + key_w0 + g;
-                if constexpr (Is_causal || Is_local) {
-                    // Masked steps take their own copy: with the flag tested per score, the causal builds
-                    // branched on it per score on every step (12-18% slower)
-                    if (needs_mask)
-                        bwd_probs<true, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t, seqlen_q,
-                                                   seqlen_k, true);
-                    else
-                        bwd_probs<false, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t, seqlen_q,
-                                                    seqlen_k, false);
-                } else if (walk_masked) {  // the flag tested per score, predicated (split per step: 9% slower)
+                // Banded builds: masked steps take their own copy (with the flag tested per score they
+                // branched on it per score on every step, 12-18% slower). Unbanded: the walk's copy, the
+                // flag tested per score there, predicated (a split per step read 9% slower)
+                constexpr bool kBanded = Is_causal || Is_local;
+                if (kBanded ? needs_mask : walk_masked)
                     bwd_probs<true, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t, seqlen_q,
-                                               seqlen_k, needs_mask);
-                } else {
+                                               seqlen_k, kBanded || needs_mask);
+                else
                     bwd_probs<false, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t, seqlen_q,
                                                 seqlen_k, false);
-                }
 #pragma unroll
                 for (int kk = 0; kk < kBlockM / 16; ++kk)
                     acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
