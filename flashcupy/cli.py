@@ -277,7 +277,7 @@ def main():
               help="Untimed calls after the first one.")
 @click.option("--settle", type=click.FloatRange(min=0), default=bench.WARMUP_SECONDS, show_default=True,
               help="Seconds of untimed calls before each implementation's timed ones. A power-capped GPU "
-                   "(H100, H200 at 700 W) reaches its steady clock after 1-2 s of load: 2 times that.")
+                   "(H100, H200 at 700 W) reaches its steady clock after 1-2 s of load, so 2 times the steady state.")
 @click.option("--rounds", type=click.IntRange(min=1), default=bench.DEFAULT_ROUNDS, show_default=True,
               help="Time each case this many times, the implementations' order turning each round; each "
                    "keeps its median round (steadier same-run comparisons).")
