@@ -429,13 +429,13 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
     const u32 sK_wg = sK + key_wg0 * 128, sV_wg = sV + key_wg0 * 128;
 
     mbar_wait(b.kv_full(), 0);
-    // The walk over the q blocks, with the scores' mask code (walk_masked) or, where no score needs
-    // it, without: the unmasked build's blocks whose keys lie inside seqlen_k, outside varlen (rows
-    // past seqlen_q read as zeros with LSE +inf and D 0, so P and dS are 0 there already). Called
-    // with a constant each way, inlined twice: a branch in the step instead would split its basic
-    // block (ptxas then waits for dP^T before P^T).
-    auto walk = [&](const bool walk_masked) {
-        for (int it = 0; it < b.m_count; ++it) {
+    // The walk over q blocks [it_begin, it_end), with the scores' mask code (walk_masked) or, where no
+    // score needs it, without: outside varlen, a key block inside seqlen_k, rows past seqlen_q read
+    // as zeros with LSE +inf and D 0, so P and dS are 0 there already. Called with a constant each
+    // way, inlined twice: a branch in the step instead would split its basic block (ptxas then waits
+    // for dP^T before P^T).
+    auto walk = [&](const bool walk_masked, const int it_begin, const int it_end) {
+        for (int it = it_begin; it < it_end; ++it) {
             const int s = it % kStages, m_block = b.m_block_min + it, q0 = m_block * kBlockM;
             const u32 sQ_s = sQ + s * T::kQBytes, sdO_s = sdO + s * T::kQBytes, sdS_b = sdS + (it & 1) * T::kDSBytes;
             float acc_s[1][kBlockM / 8][4], acc_dp[1][kBlockM / 8][4];  // S^T, dP^T: 64 keys x kBlockM queries
@@ -483,11 +483,11 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
                 mod.dispatch(probs);
             } else {
                 const int key_row = key0 + key_w0 + g;
-                // Banded builds: masked steps take their own copy (with the flag tested per score they
-                // branched on it per score on every step, 12-18% slower). Unbanded: the walk's copy, the
-                // flag tested per score there, predicated (a split per step read 9% slower)
+                // Banded builds' masked walks: masked steps take their own copy (with the flag tested per
+                // score they branched on it per score on every step, 12-18% slower). Unbanded: the walk's
+                // copy, the flag tested per score there, predicated (a split per step read 9% slower)
                 constexpr bool kBanded = Is_causal || Is_local;
-                if (kBanded ? needs_mask : walk_masked)
+                if (walk_masked && (!kBanded || needs_mask))
                     bwd_probs<true, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t, seqlen_q,
                                                seqlen_k, kBanded || needs_mask);
                 else
@@ -593,10 +593,15 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
             mbar_arrive(b.q_empty(s));  // Q_i, dO_i consumed
         }
     };
-    if (Is_causal || Is_local || Has_score_mod || p.cu_seqlens_q || p.cu_seqlens_k || key0 + kBlockN > seqlen_k)
-        walk(true);
-    else
-        walk(false);
+    // Without a mask, and under a causal one after the q blocks its diagonal crosses (the walk's
+    // first), no score needs mask code; elsewhere every step may
+    const bool maskable_everywhere = Is_local || Has_score_mod || p.cu_seqlens_q || p.cu_seqlens_k ||
+                                     key0 + kBlockN > seqlen_k;
+    const int masked_steps = maskable_everywhere ? b.m_count
+                             : Is_causal         ? b.mask.diagonal_steps(key0, b.m_block_min, b.m_count)
+                                                 : 0;
+    if (masked_steps > 0) walk(true, 0, masked_steps);
+    if (masked_steps < b.m_count) walk(false, masked_steps, b.m_count);
 
     // dK (times softmax_scale) and dV through shared memory, in the Q and dO stages once both
     // consumers' last wgmmas have read them: stmatrix puts each warp's fragments into rows of keys

@@ -35,6 +35,14 @@ struct Mask {
         return seqlen_q;
     }
 
+    // Causal, backward: of the q blocks of kBlockM rows [m_block_min, m_block_min + m_count) that see
+    // the key block at key0, how many come before the first whose rows see all of its keys (those
+    // the diagonal crosses, the walk's first; past them no tile needs the mask inside seqlen_k).
+    FC_DEVICE int diagonal_steps(int key0, int m_block_min, int m_count) const {
+        const int all_rows = max(0, key0 + kBlockN - 1 + seqlen_q - seqlen_k);  // first row seeing every key
+        return min(m_count, max(0, (all_rows + kBlockM - 1) / kBlockM - m_block_min));
+    }
+
     // Row `row` sees keys [row_first_key(row), row_key_limit(row)); the first bound is Is_local's only.
     FC_DEVICE int row_key_limit(int row) const {
         if (Is_local) return min(seqlen_k, row + 1 + offset + right);
