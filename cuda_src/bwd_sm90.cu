@@ -479,7 +479,8 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
             u32 a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
             if constexpr (Has_score_mod) {
                 Sm90ScoreModProbs<kBlockM, kBlockN, Is_causal, Is_local, Is_bf16> probs{
-                    acc_s, a_p, lse_s, mod, b.mask, key0 + key_w0 + g, q0, 2 * t, seqlen_q, seqlen_k, needs_mask};
+                    acc_s, a_p, lse_s, mod, b.mask, key0 + key_w0 + g, q0, 2 * t, seqlen_q,
+                    seqlen_k, walk_masked && needs_mask};
                 mod.dispatch(probs);
             } else {
                 const int key_row = key0 + key_w0 + g;
@@ -594,8 +595,9 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
         }
     };
     // Without a mask, and under a causal one after the q blocks its diagonal crosses (the walk's
-    // first), no score needs mask code; elsewhere every step may
-    const bool maskable_everywhere = Is_local || Has_score_mod || p.cu_seqlens_q || p.cu_seqlens_k ||
+    // first), no score needs mask code, score mods or not (measured 2-17% faster causal, 2-5%
+    // without a mask); elsewhere every step may
+    const bool maskable_everywhere = Is_local || p.cu_seqlens_q || p.cu_seqlens_k ||
                                      key0 + kBlockN > seqlen_k;
     const int masked_steps = maskable_everywhere ? b.m_count
                              : Is_causal         ? b.mask.diagonal_steps(key0, b.m_block_min, b.m_count)
