@@ -35,12 +35,19 @@ struct Mask {
         return seqlen_q;
     }
 
-    // Causal, backward: of the q blocks of kBlockM rows [m_block_min, m_block_min + m_count) that see
-    // the key block at key0, how many come before the first whose rows see all of its keys (those
-    // the diagonal crosses, the walk's first; past them no tile needs the mask inside seqlen_k).
-    FC_DEVICE int diagonal_steps(int key0, int m_block_min, int m_count) const {
-        const int all_rows = max(0, key0 + kBlockN - 1 + seqlen_q - seqlen_k);  // first row seeing every key
-        return min(m_count, max(0, (all_rows + kBlockM - 1) / kBlockM - m_block_min));
+    // Backward: of the steps over q blocks [m_block_min, m_block_min + m_count) that see the key
+    // block at key0 (inside seqlen_k), those in [first, end) have no key that some row must not see:
+    // under a causal mask every one after the diagonal's, under a band those between its two edges.
+    FC_DEVICE void unmasked_steps(int key0, int m_block_min, int m_count, int& first, int& end) const {
+        const int off = Is_local ? offset : seqlen_k - seqlen_q, reach = Is_local ? right : 0;
+        const int rows_from = max(0, key0 + kBlockN - 1 - off - reach);  // rows from here see the last key
+        first = min(m_count, max(0, (rows_from + kBlockM - 1) / kBlockM - m_block_min));
+        end = m_count;
+        if (Is_local) {
+            const int rows_to = key0 - off + left;  // rows up to here see the first key
+            const int m_last = rows_to >= kBlockM - 1 ? (rows_to - kBlockM + 1) / kBlockM : -1;
+            end = max(first, min(m_count, m_last + 1 - m_block_min));
+        }
     }
 
     // Row `row` sees keys [row_first_key(row), row_key_limit(row)); the first bound is Is_local's only.
