@@ -20,6 +20,9 @@ CASES = [  # (seqlen_q, seqlen_k, causal, window_size, alignment)
     (517, 700, False, (5, 90), "top_left"),
     (700, 517, False, (0, 0), "top_left"),
     (129, 4000, False, (17, 200), "bottom_right"),
+    # bands wider than several key blocks: masked steps at both edges, unmasked ones between
+    (1100, 1100, False, (300, 400), "bottom_right"),
+    (900, 1400, True, (700, -1), "bottom_right"),
 ]
 
 
