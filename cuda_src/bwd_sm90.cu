@@ -596,8 +596,9 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
     };
     // Steps [unmasked_begin, unmasked_end) walk without mask code, score mods or not: without a mask
     // all, under a causal one those after the q blocks its diagonal crosses (the walk's first), under
-    // a band those between its edges (measured 2-17% faster causal, 2-5% without a mask); the
-    // others, and every step in varlen calls and where the key block crosses seqlen_k, with it
+    // a band those between its edges; the others, and every step in varlen calls and where the key
+    // block crosses seqlen_k, with it. Against mask code on every step: causal 1-5% faster, causal
+    // with softcap or ALiBi 8-17%, score mods without a mask 2-5%, windows 0-3% (docs/PERF_NOTES.md)
     const bool maskable_everywhere = p.cu_seqlens_q || p.cu_seqlens_k || key0 + kBlockN > seqlen_k;
     int unmasked_begin = maskable_everywhere ? b.m_count : 0, unmasked_end = b.m_count;
     if ((Is_causal || Is_local) && !maskable_everywhere)
