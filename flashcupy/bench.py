@@ -47,7 +47,7 @@ DEFAULT_HIDDEN = 2048
 DEFAULT_REPEATS = 20
 DEFAULT_WARMUP = 3
 DEFAULT_ROUNDS = 1
-WARMUP_SECONDS = 0.1  # the default settle: enough for the clocks to leave idle, not for a power cap
+DEFAULT_SETTLE = 0.1  # seconds of untimed calls: enough for the clocks to leave idle, not for a power cap
 # Variants of the causal case in the default sweep: GQA with 4 query heads per kv head
 # (d=64: 32 query heads, 8 kv heads) and a Mistral-style sliding window, causal with 1024 keys back.
 VARIANTS = ("plain", "gqa", "window")
@@ -187,7 +187,7 @@ def sweep_shapes(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causal=(F
 
 def run_sweep(shapes, impls=("flashcupy",) + DEFAULT_PEERS, repeats=DEFAULT_REPEATS,
               warmup=DEFAULT_WARMUP, records: list | None = None, rounds=DEFAULT_ROUNDS,
-              settle=WARMUP_SECONDS) -> list[dict]:
+              settle=DEFAULT_SETTLE) -> list[dict]:
     """Benchmark every implementation on every shape; one record per pair, in order.
 
     `shapes` may be any iterable (the CLI passes a click progress bar over the list). Each shape's
@@ -201,7 +201,7 @@ def run_sweep(shapes, impls=("flashcupy",) + DEFAULT_PEERS, repeats=DEFAULT_REPE
 
 
 def bench_shape(shape: BenchShape, impls, repeats=DEFAULT_REPEATS, warmup=DEFAULT_WARMUP,
-                rounds=DEFAULT_ROUNDS, settle=WARMUP_SECONDS) -> list[dict]:
+                rounds=DEFAULT_ROUNDS, settle=DEFAULT_SETTLE) -> list[dict]:
     """Records for one shape, each implementation on the same inputs. Failures become cells.
 
     With rounds > 1 the implementations are timed that many times, their order turning by one each
@@ -310,7 +310,7 @@ def outcome_of(record: dict):
             mark_failed(record, exc, suffix=f" ({_one_line(str(caught[0].message))})" if caught else "")
 
 
-def _bench_impl(impl, shape, inputs, repeats, warmup, settle=WARMUP_SECONDS) -> dict:
+def _bench_impl(impl, shape, inputs, repeats, warmup, settle=DEFAULT_SETTLE) -> dict:
     record = new_record(shape, impl)
     runtime = None
     with outcome_of(record):
@@ -323,7 +323,7 @@ def _bench_impl(impl, shape, inputs, repeats, warmup, settle=WARMUP_SECONDS) -> 
     return record
 
 
-def _measure(impl, shape, inputs, runtime, repeats, warmup, settle=WARMUP_SECONDS):
+def _measure(impl, shape, inputs, runtime, repeats, warmup, settle=DEFAULT_SETTLE):
     """(first call ms, median ms, peak extra bytes); the step's closures die with this frame."""
     step = _make_step(impl, shape, inputs)
     first_ms, ms = time_step(step, runtime, repeats, warmup, settle)
@@ -387,12 +387,12 @@ def _release_cupy_memory() -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def run_untimed(step, synchronize, warmup=DEFAULT_WARMUP, seconds=WARMUP_SECONDS) -> None:
-    """Untimed calls, at least `warmup` of them and `seconds` of them: after the idle of a compile
+def run_untimed(step, synchronize, warmup=DEFAULT_WARMUP, settle=DEFAULT_SETTLE) -> None:
+    """Untimed calls, at least `warmup` of them and `settle` seconds of them: after the idle of a compile
     the GPU's clocks take a while to come back (short points read up to 2x slow), and under a power
     cap they settle only after 1-2 s of load, at a level that depends on the kernel's energy per
     FLOP (docs/PERF_NOTES.md): a short settle times the boost, and what ran before."""
-    deadline, calls = time.perf_counter() + seconds, 0
+    deadline, calls = time.perf_counter() + settle, 0
     while calls < warmup or time.perf_counter() < deadline:
         step()
         calls += 1
@@ -402,7 +402,7 @@ def run_untimed(step, synchronize, warmup=DEFAULT_WARMUP, seconds=WARMUP_SECONDS
 
 
 def time_step(step, runtime, repeats=DEFAULT_REPEATS, warmup=DEFAULT_WARMUP,
-              settle=WARMUP_SECONDS) -> tuple[float, float]:
+              settle=DEFAULT_SETTLE) -> tuple[float, float]:
     """(first call ms by wall clock, median ms of `repeats` event-timed calls).
 
     The first call (compile, plan selection) is timed alone, then untimed calls (at least `warmup`,

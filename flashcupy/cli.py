@@ -275,9 +275,10 @@ def main():
               help="Timed calls per case; the median is reported.")
 @click.option("--warmup", type=click.IntRange(min=0), default=bench.DEFAULT_WARMUP, show_default=True,
               help="Untimed calls after the first one.")
-@click.option("--settle", type=click.FloatRange(min=0), default=bench.WARMUP_SECONDS, show_default=True,
+@click.option("--settle", type=click.FloatRange(min=0), default=bench.DEFAULT_SETTLE, show_default=True,
               help="Seconds of untimed calls before each implementation's timed ones. A power-capped GPU "
-                   "(H100, H200 at 700 W) reaches its steady clock after 1-2 s of load, so 2 times the steady state.")
+                   "(H100, H200 at 700 W) reaches its steady clock after 1-2 s of load: --settle 2 times that "
+                   "steady state.")
 @click.option("--rounds", type=click.IntRange(min=1), default=bench.DEFAULT_ROUNDS, show_default=True,
               help="Time each case this many times, the implementations' order turning each round; each "
                    "keeps its median round (steadier same-run comparisons).")

@@ -326,7 +326,7 @@ def test_bench_passes_rounds_and_settle(monkeypatch, fake_gpu, tmp_path):
     assert result.exit_code == 0, result.output
     assert seen == [(3, 2.5)]
     assert bench.load_json(tmp_path / "b.json")["config"]["settle"] == 2.5
-    assert invoke(*args).exit_code == 0 and seen[-1] == (1, bench.WARMUP_SECONDS)
+    assert invoke(*args).exit_code == 0 and seen[-1] == (1, bench.DEFAULT_SETTLE)
     for option, value in (("--rounds", "2"), ("--settle", "1")):
         result = invoke("bench", "--decode", option, value)
         assert result.exit_code != 0 and f"{option} does not apply to --decode" in result.output
@@ -531,7 +531,7 @@ def test_check_all_variants_gpu():
 
 
 def test_time_step_warms_up_for_a_while_then_times_each_call():
-    """At least `warmup` untimed calls and at least WARMUP_SECONDS of them (the GPU's clocks come back
+    """At least `warmup` untimed calls and at least DEFAULT_SETTLE seconds of them (the GPU's clocks come back
     after an idle compile), then `repeats` calls between events; the median of their times."""
     import time
 
@@ -564,8 +564,8 @@ def test_time_step_warms_up_for_a_while_then_times_each_call():
     t0 = time.perf_counter()
     first_ms, ms = bench.time_step(step, runtime, repeats=5, warmup=3)
     untimed = len(calls) - 1 - 5
-    assert untimed >= 3 and calls[-6] - calls[1] >= bench.WARMUP_SECONDS / 2  # calls, not one wait
-    assert time.perf_counter() - t0 >= bench.WARMUP_SECONDS
+    assert untimed >= 3 and calls[-6] - calls[1] >= bench.DEFAULT_SETTLE / 2  # calls, not one wait
+    assert time.perf_counter() - t0 >= bench.DEFAULT_SETTLE
     assert ms == 2.0 and first_ms >= 0
     assert runtime.syncs >= untimed // 8  # the host does not run far ahead of the GPU while warming
     calls.clear()
