@@ -29,8 +29,8 @@
 // the online softmax, the mask and the score mods are softmax.cuh's, mask.cuh's and score_mod.cuh's,
 // with fragment.cuh's MmaAccCoords placing the scores, shared with the sm80 kernels.
 //
-// Shared memory holds each tile as head-dim chunks of 64 columns (128 bytes a row), the 128-byte
-// swizzle TMA writes and the wgmma descriptors read: the Q buffers, then kStages K tiles, then
+// Shared memory holds each tile as head-dim chunks of 64 columns (128 bytes a row; at d = 96 the
+// second half used), the 128-byte swizzle TMA writes and the wgmma descriptors read: the Q buffers, then kStages K tiles, then
 // kStages V tiles, then O's tile where it fits, then the mbarriers.
 #include "sm90.cuh"
 #include "softmax.cuh"
@@ -59,9 +59,12 @@ struct Sm90FwdTraits {
                   "register reallocation: the consumers would wait for registers the producer does not free");
 
     static constexpr int kChunk = 64;              // head-dim columns per 128-byte swizzle atom
-    static constexpr int kChunks = kHeadDim / kChunk;
-    static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-    static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or V tile
+    // Whole chunks: at d = 96 the second is half used (TMA fills its columns past the head dim with
+    // zeros, which no wgmma reads, and its stores drop them)
+    static constexpr int kChunks = (kHeadDim + kChunk - 1) / kChunk;
+    static constexpr int kTileCols = kChunks * kChunk;
+    static constexpr int kQBytes = kBlockM * kTileCols * 2;
+    static constexpr int kKVBytes = kBlockN * kTileCols * 2;  // one K or V tile
     // Two Q buffers where shared memory allows: the next tile's Q loads while this one computes
     // (one buffer would leave that load, from DRAM, between the two tiles).
     static constexpr int kMaxSmem = 227 * 1024;
@@ -72,7 +75,7 @@ struct Sm90FwdTraits {
     // stmatrix and go on): in a buffer of its own where it fits beside the rest (d = 64, 128), else
     // in the one Q buffer (d = 192, 256), free once the tile's last S = Q K^T is done; the next Q
     // loads when the stores have read it. Else each thread stores its fragments.
-    static constexpr int kOBytes = kBlockM * kHeadDim * 2;
+    static constexpr int kOBytes = kBlockM * kTileCols * 2;
     static constexpr bool kOOwnBuffer = kOffV + kStages * kKVBytes + kOBytes + 2048 <= kMaxSmem;
     static constexpr bool kOInQ = !kOOwnBuffer && kQSlots == 1;  // where the kernel asks for it (below)
     static constexpr int kOffO = kOffV + kStages * kKVBytes;
@@ -83,7 +86,7 @@ struct Sm90FwdTraits {
     static constexpr int kOffTileSlots = kOffBar + kBarriers * 8;
     // + 1024: the dynamic shared memory base is aligned up to the swizzle atom's 1024 bytes.
     static constexpr int kSmemBytes = kOffTileSlots + kTileSlots * 4 + 1024;
-    static_assert(kHeadDim % kChunk == 0 && kHeadDim <= 256, "head dim: whole 64-column chunks");
+    static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head dim: whole 64-column chunks, or half of the last");
     static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "key block: a wgmma N");
     static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles on swizzle-atom boundaries");

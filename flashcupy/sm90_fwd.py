@@ -1,11 +1,11 @@
 """The sm90 forward family: FlashAttention-3's Hopper forward (TMA, wgmma, a producer and two or
 three consumer warpgroups, a persistent grid; cuda_src/fwd_sm90.cu), compiled by NVRTC for sm_90a.
 
-It serves head dims 64, 128, 192 and 256 on compute capability 9.0, with every option of the API (masks,
-GQA, varlen, softcap, ALiBi, sinks); other head dims stay with the sm80 family, and `unsupported`
-says why. The tensor maps of q, k
-and v are encoded on the host for each call (cuda.bindings' cuTensorMapEncodeTiled) and cached by
-pointer, shape and strides, so a decode loop over the same buffers pays for them once.
+It serves head dims 64, 96, 128, 192 and 256 on compute capability 9.0, with every option of the
+API (masks, GQA, varlen, softcap, ALiBi, sinks); other head dims stay with the sm80 family, and
+`unsupported` says why. The tensor maps of q, k and v are encoded on the host for each call
+(cuda.bindings' cuTensorMapEncodeTiled) and cached by pointer, shape and strides, so a decode loop
+over the same buffers pays for them once.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .replay import Replay
 
 NVRTC_OPTIONS = ("-std=c++17",)
 ARCH = "sm_90a"
-HEAD_DIMS = (64, 128, 192, 256)
+HEAD_DIMS = (64, 96, 128, 192, 256)
 SWIZZLE_BYTES = 128  # a TMA box's inner extent: one row of the 128-byte swizzle
 TMA_BYTES = 128     # one tensor map
 ARGS_TMA_OFFSET = 256  # Sm90FwdArgs: FwdParams, then the q, k, v, out tensor maps (64-byte aligned)
@@ -54,6 +54,7 @@ class Sm90FwdTile:
 # descriptors +1.5-4% at d = 128 without a mask, 3-7% slower at d = 64 causal, +1-3.5% at d = 192
 # and 256 (with the kernel's warp-uniform warpgroup index there: no R2UR, no spills).
 _TILES = {64: Sm90FwdTile(192, 128, 2, ping_pong=True),
+          96: Sm90FwdTile(192, 96, 2, ping_pong=True, advance_descs=True),
           128: Sm90FwdTile(128, 128, 2, ping_pong=True, advance_descs=True),
           192: Sm90FwdTile(128, 96, 2, advance_descs=True), 256: Sm90FwdTile(128, 80, 2, advance_descs=True)}
 # d = 64 on two consumer warpgroups (240 registers each, 128-row q blocks) instead of three:
@@ -68,6 +69,11 @@ _TILES = {64: Sm90FwdTile(192, 128, 2, ping_pong=True),
 #   (without a mask 0.95 at 512 and 1k).
 TWO_CONSUMER_TILES = {64: Sm90FwdTile(128, 128, 2, ping_pong=True)}
 SHORT_CAUSAL_KEYS = 1024
+# d = 96: three consumers of 96-key blocks (_TILES; 128-key ones spill 144 bytes at 160 registers),
+# but over rows of at most SHORT_CAUSAL_KEYS keys, with a mask or without, d = 128's tile: H100,
+# 4 alternating rounds, TFLOP/s of 128 x 128 / 192 x 96 at 1k / 4k / 16k: 433 / 392, 539 / 584,
+# 544 / 585; causal 301 / 268, 466 / 498, 544 / 565 (docs/PERF_NOTES.md)
+SHORT_ROW_TILES = {96: Sm90FwdTile(128, 128, 2, ping_pong=True, advance_descs=True)}
 # d = 64 without a mask or score mods: descriptors advanced. H200, 7 alternating rounds, speed
 # advanced / not at 1k / 4k / 16k: 0.99 / 1.02 / 1.02; causal 0.97 / 0.99 / 0.97, softcap 0.99, a
 # 256-key window (two consumers) 0.93, a 64-key one 1.02 (docs/PERF_NOTES.md).
@@ -77,6 +83,8 @@ PLAIN_TILES = {64: replace(_TILES[64], advance_descs=True)}
 def tile_for(head_dim: int, mask: str, keys_per_row: int | None = None, score_mod: bool = False) -> Sm90FwdTile:
     """The tile of a head dim under a mask and score mods or none; `keys_per_row` bounds the keys a
     row sees (None: not known, the head dim's own tile)."""
+    if head_dim in SHORT_ROW_TILES and keys_per_row is not None and keys_per_row <= SHORT_CAUSAL_KEYS:
+        return SHORT_ROW_TILES[head_dim]
     if mask == "none" and not score_mod:
         return PLAIN_TILES.get(head_dim, _TILES[head_dim])
     tile = _TILES[head_dim]
@@ -90,9 +98,15 @@ TILE_SLOTS = 2  # Sm90FwdTraits::kTileSlots
 MAX_SMEM = 227 * 1024  # Sm90FwdTraits::kMaxSmem, an sm_90 block's shared memory
 
 
+def tile_cols(head_dim: int) -> int:
+    """Columns a tile's row takes in shared memory: whole 64-column chunks (Sm90FwdTraits::kTileCols;
+    at d = 96 the second is half used)."""
+    return -(-head_dim // 64) * 64
+
+
 def q_slots(head_dim: int, tile: Sm90FwdTile) -> int:
     """Q buffers: two where they fit beside the K/V stages (Sm90FwdTraits::kQSlots)."""
-    q, kv = tile.block_m * head_dim * 2, tile.block_n * head_dim * 2
+    q, kv = tile.block_m * tile_cols(head_dim) * 2, tile.block_n * tile_cols(head_dim) * 2
     return 2 if 2 * q + 2 * tile.stages * kv + 2048 <= MAX_SMEM else 1
 
 
@@ -100,7 +114,7 @@ def o_buffer(head_dim: int, tile: Sm90FwdTile, in_q: bool = True) -> str:
     """Where O's tile is staged for its TMA stores (Sm90FwdTraits::kOOwnBuffer and kOInQ): "own"
     where it fits beside the Q buffers and the K/V stages; else "q", in the one Q buffer, if `in_q`
     (the variant's o_in_q); else "" (each thread stores its fragments)."""
-    q, kv = tile.block_m * head_dim * 2, tile.block_n * head_dim * 2
+    q, kv = tile.block_m * tile_cols(head_dim) * 2, tile.block_n * tile_cols(head_dim) * 2
     slots = q_slots(head_dim, tile)
     if slots * q + 2 * tile.stages * kv + q + 2048 <= MAX_SMEM:
         return "own"
@@ -130,8 +144,8 @@ def stages_o_in_q(head_dim: int, tile: Sm90FwdTile, mask: str, keys_per_row: int
 def smem_bytes(head_dim: int, tile: Sm90FwdTile) -> int:
     """The Q buffers, stages x (K, V), O's tile where it has its own buffer, the mbarriers, the tile slots,
     and 1024 bytes to align the swizzled tiles (Sm90FwdTraits in fwd_sm90.cu)."""
-    q = tile.block_m * head_dim * 2
-    kv = tile.block_n * head_dim * 2
+    q = tile.block_m * tile_cols(head_dim) * 2
+    kv = tile.block_n * tile_cols(head_dim) * 2
     slots = q_slots(head_dim, tile)
     barriers = 4 * tile.stages + 2 * slots + 2 * TILE_SLOTS
     o = q if o_buffer(head_dim, tile) == "own" else 0

@@ -28,7 +28,7 @@ MASK_IDS = ["none", "causal", "window", "causal-top-left"]
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("options", MASKS, ids=MASK_IDS)
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (17, 17), (127, 129), (129, 127), (1000, 1000),
                                                 (4099, 257), (257, 4099)])
@@ -81,7 +81,7 @@ def test_banded_o_staged_in_q_or_stored_direct(head_dim, options, o_in_q, shape,
     replay.clear()  # the kept launches were planned under the patched bound
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_many_blocks_gqa_and_sinks(head_dim):
     """batch x heads past twice the SM count; 8 query heads per kv head; sink logits."""
     import cupy
@@ -102,6 +102,17 @@ def test_strided_views():
     run(q, kv, kv, "float16", causal=True)
 
 
+def test_strided_views_of_a_half_chunk():
+    """At d = 96 a row's second 64-column chunk is half the head: the columns past it, here the
+    next head's or the padding's, never reach the scores or O."""
+    rng = np.random.default_rng(19)
+    big = randn(rng, (2, 300, 3, 224), "bfloat16")
+    q = big[:, :, :, 96:192]         # columns 192.. of the row are another tensor's
+    k = big[:, :, :, :96]
+    v = randn(rng, (2, 4, 300, 112), "bfloat16").transpose(0, 2, 1, 3)[:, :, 1:, 8:104]
+    run(q, k, v, "bfloat16", window_size=(200, 7))
+
+
 def test_matches_sm80():
     import flashcupy
 
@@ -118,8 +129,8 @@ def test_refuses_what_it_does_not_serve():
     import flashcupy
 
     rng = np.random.default_rng(2)
-    q = randn(rng, (1, 64, 2, 96), "float16")
-    with pytest.raises(ValueError, match="backend= 'sm90' cannot compute this fwd: head dim 96"):
+    q = randn(rng, (1, 64, 2, 32), "float16")
+    with pytest.raises(ValueError, match="backend= 'sm90' cannot compute this fwd: head dim 32"):
         flashcupy.flash_attn_func(q, q, q, backend="sm90")
     # the default dispatch falls back to sm80 there
     out = flashcupy.flash_attn_func(q, q, q, alibi_slopes=cupy.full((2,), 0.1, cupy.float32))
@@ -134,7 +145,7 @@ SCORE_MODS = [
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("case", SCORE_MODS, ids=[c[1] for c in SCORE_MODS])
 def test_softcap_alibi(dtype_name, head_dim, case):
     import cupy
@@ -165,7 +176,7 @@ VARLEN = [([1, 17, 0, 127, 129, 1000], [5, 17, 3, 0, 300, 1000], {}),
           ([129, 1, 300], [129, 1, 300], {"causal": True, "softcap": 3.0})]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("lengths_q, lengths_k, options", VARLEN)
 def test_varlen(head_dim, lengths_q, lengths_k, options):
     rng = np.random.default_rng(sum(lengths_q) + head_dim)

@@ -31,18 +31,20 @@ def test_args_layout():
 
 
 def test_o_goes_through_shared_memory_where_it_fits():
-    """O's tile is staged for TMA stores in a buffer of its own at d = 64 and 128; d = 192 and 256
-    have no room left for one and stage it in their one Q buffer: always without a band, and under
-    a band at d = 256 when a row sees at most BANDED_O_IN_Q_MAX_KEYS keys (else each thread stores
-    its part; so do varlen calls, which pass no key count)."""
+    """O's tile is staged for TMA stores in a buffer of its own at d = 64 and 128, and at d = 96 in
+    d = 128's tile (short rows); d = 192 and 256 have no room left for one and stage it in their one
+    Q buffer: always without a band, and under a band at d = 256 when a row sees at most
+    BANDED_O_IN_Q_MAX_KEYS keys (else each thread stores its part, as d = 96's 192-row tile, with
+    two Q buffers; so do varlen calls, which pass no key count)."""
     short, long = sm90_fwd.BANDED_O_IN_Q_MAX_KEYS, sm90_fwd.BANDED_O_IN_Q_MAX_KEYS + 1
-    for mask, keys, expected in (("none", long, {64: "own", 128: "own", 192: "q", 256: "q"}),
-                                 ("none", None, {64: "own", 128: "own", 192: "q", 256: "q"}),
-                                 ("causal", short, {64: "own", 128: "own", 192: "", 256: "q"}),
-                                 ("causal", long, {64: "own", 128: "own", 192: "", 256: ""}),
-                                 ("causal", None, {64: "own", 128: "own", 192: "", 256: ""}),
-                                 ("local", short, {64: "own", 128: "own", 192: "", 256: "q"}),
-                                 ("local", long, {64: "own", 128: "own", 192: "", 256: ""})):
+    for mask, keys, expected in (("none", long, {64: "own", 96: "", 128: "own", 192: "q", 256: "q"}),
+                                 ("none", None, {64: "own", 96: "", 128: "own", 192: "q", 256: "q"}),
+                                 ("none", 1000, {64: "own", 96: "own", 128: "own", 192: "q", 256: "q"}),
+                                 ("causal", short, {64: "own", 96: "", 128: "own", 192: "", 256: "q"}),
+                                 ("causal", long, {64: "own", 96: "", 128: "own", 192: "", 256: ""}),
+                                 ("causal", None, {64: "own", 96: "", 128: "own", 192: "", 256: ""}),
+                                 ("local", short, {64: "own", 96: "", 128: "own", 192: "", 256: "q"}),
+                                 ("local", long, {64: "own", 96: "", 128: "own", 192: "", 256: ""})):
         variants = {d: sm90_fwd.variant(d, "bfloat16", mask, keys_per_row=keys) for d in sm90_fwd.HEAD_DIMS}
         assert {d: sm90_fwd.o_buffer(d, v.tile, v.o_in_q) for d, v in variants.items()} == expected
         assert {d: v.o_in_q for d, v in variants.items()} == {d: o == "q" for d, o in expected.items()}
@@ -209,9 +211,11 @@ def test_head_dim_64_takes_two_consumer_warpgroups_for_wide_bands_and_short_caus
     assert plain != three and dataclasses.replace(plain, advance_descs=False) == three
     for keys in (None, 1, 10 ** 6):
         assert sm90_fwd.tile_for(64, "none", keys) == plain
-    for d in (128, 192, 256):
-        for mask, keys in (("local", 10 ** 6), ("causal", 512)):
+    for d in (96, 128, 192, 256):
+        for mask, keys in (("local", 10 ** 6), ("causal", 10 ** 6), ("causal", None)):
             assert sm90_fwd.tile_for(d, mask, keys) == sm90_fwd._TILES[d]
+    for d in (128, 192, 256):
+        assert sm90_fwd.tile_for(d, "causal", 512) == sm90_fwd._TILES[d]
     family = sm90_fwd.Sm90Forward()
     hopper = DeviceInfo(0, "H100", 90, 132, 227 * 1024, 80 << 30)
     for window, alignment, seqlen, tile in (((256, 0), "bottom_right", 2048, two), ((48, 16), "top_left", 2048, three),
@@ -223,3 +227,18 @@ def test_head_dim_64_takes_two_consumer_warpgroups_for_wide_bands_and_short_caus
         assert family.variant(problem, hopper).tile == tile, (window, seqlen)
         assert family.variant(problem, hopper) in family.variants(90)
     assert two.threads == 384 and sm90_fwd.variant(64, "bfloat16", "local", False, 4096).smem_bytes <= sm90_fwd.MAX_SMEM
+
+
+def test_head_dim_96_takes_two_consumer_warpgroups_over_short_rows():
+    """d = 96 runs three consumer warpgroups of 96-key blocks, and d = 128's tile where a row sees
+    at most SHORT_CAUSAL_KEYS keys, whatever the mask and score mods; its tiles hold whole 64-column
+    chunks, as d = 128's."""
+    three, short = sm90_fwd._TILES[96], sm90_fwd.SHORT_ROW_TILES[96]
+    assert (three.block_m, three.block_n, short.block_m, short.block_n) == (192, 96, 128, 128)
+    for mask in ("none", "causal", "local"):
+        for score_mod in (False, True):
+            assert sm90_fwd.tile_for(96, mask, sm90_fwd.SHORT_CAUSAL_KEYS, score_mod) == short
+            assert sm90_fwd.tile_for(96, mask, sm90_fwd.SHORT_CAUSAL_KEYS + 1, score_mod) == three
+    assert sm90_fwd.tile_for(96, "none", None) == three
+    assert [sm90_fwd.tile_cols(d) for d in (64, 96, 128, 192, 256)] == [64, 128, 128, 192, 256]
+    assert sm90_fwd.smem_bytes(96, short) == sm90_fwd.smem_bytes(128, short)
