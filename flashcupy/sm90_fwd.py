@@ -77,7 +77,10 @@ SHORT_ROW_TILES = {96: Sm90FwdTile(128, 128, 2, ping_pong=True, advance_descs=Tr
 # d = 64 without a mask or score mods: descriptors advanced. H200, 7 alternating rounds, speed
 # advanced / not at 1k / 4k / 16k: 0.99 / 1.02 / 1.02; causal 0.97 / 0.99 / 0.97, softcap 0.99, a
 # 256-key window (two consumers) 0.93, a 64-key one 1.02 (docs/PERF_NOTES.md).
-PLAIN_TILES = {64: replace(_TILES[64], advance_descs=True)}
+# d = 96 without them: 112-key blocks (no spills). H100, 7 rotating rounds, speed against 96 keys at
+# 2k / 4k / 16k: 1.026 / 1.017 / 1.034; causal 0.963 / 0.979 / 1.009, so masks keep 96.
+PLAIN_TILES = {64: replace(_TILES[64], advance_descs=True),
+               96: Sm90FwdTile(192, 112, 2, ping_pong=True, advance_descs=True)}
 
 
 def tile_for(head_dim: int, mask: str, keys_per_row: int | None = None, score_mod: bool = False) -> Sm90FwdTile:

@@ -230,15 +230,20 @@ def test_head_dim_64_takes_two_consumer_warpgroups_for_wide_bands_and_short_caus
 
 
 def test_head_dim_96_takes_two_consumer_warpgroups_over_short_rows():
-    """d = 96 runs three consumer warpgroups of 96-key blocks, and d = 128's tile where a row sees
-    at most SHORT_CAUSAL_KEYS keys, whatever the mask and score mods; its tiles hold whole 64-column
-    chunks, as d = 128's."""
+    """d = 96 runs three consumer warpgroups of 96-key blocks (112 without a mask or score mods),
+    and d = 128's tile where a row sees at most SHORT_CAUSAL_KEYS keys, whatever the mask and score
+    mods; its tiles hold whole 64-column chunks, as d = 128's."""
     three, short = sm90_fwd._TILES[96], sm90_fwd.SHORT_ROW_TILES[96]
     assert (three.block_m, three.block_n, short.block_m, short.block_n) == (192, 96, 128, 128)
     for mask in ("none", "causal", "local"):
         for score_mod in (False, True):
             assert sm90_fwd.tile_for(96, mask, sm90_fwd.SHORT_CAUSAL_KEYS, score_mod) == short
-            assert sm90_fwd.tile_for(96, mask, sm90_fwd.SHORT_CAUSAL_KEYS + 1, score_mod) == three
-    assert sm90_fwd.tile_for(96, "none", None) == three
+            if mask != "none" or score_mod:
+                assert sm90_fwd.tile_for(96, mask, sm90_fwd.SHORT_CAUSAL_KEYS + 1, score_mod) == three
+    plain = sm90_fwd.PLAIN_TILES[96]
+    assert (plain.block_m, plain.block_n) == (192, 112)
+    for keys in (None, sm90_fwd.SHORT_CAUSAL_KEYS + 1):
+        assert sm90_fwd.tile_for(96, "none", keys) == plain
+        assert sm90_fwd.tile_for(96, "none", keys, score_mod=True) == three
     assert [sm90_fwd.tile_cols(d) for d in (64, 96, 128, 192, 256)] == [64, 128, 128, 192, 256]
     assert sm90_fwd.smem_bytes(96, short) == sm90_fwd.smem_bytes(128, short)
