@@ -48,15 +48,16 @@ class Sm90FwdTile:
 
 
 # Tiles by head dim (Sm90FwdTraits), measured on an H100 (docs/PERF_NOTES.md): at d = 64 three
-# consumer warpgroups (192 rows) keep the tensor cores busier than two; d = 192 and 256 take 96- and
-# 80-key blocks so that O (96 and 128 registers a thread) still fits (d = 192 not yet tuned).
+# consumer warpgroups (192 rows) keep the tensor cores busier than two; d = 192 and 256 take 112-
+# and 80-key blocks so that O (96 and 128 registers a thread) still fits (d = 192: 96 over short
+# rows, SHORT_ROW_TILES).
 # Ping-pong measured +5-12% at d = 64 and +1-16% at d = 128, nothing at d = 256; advanced
 # descriptors +1.5-4% at d = 128 without a mask, 3-7% slower at d = 64 causal, +1-3.5% at d = 192
 # and 256 (with the kernel's warp-uniform warpgroup index there: no R2UR, no spills).
 _TILES = {64: Sm90FwdTile(192, 128, 2, ping_pong=True),
           96: Sm90FwdTile(192, 96, 2, ping_pong=True, advance_descs=True),
           128: Sm90FwdTile(128, 128, 2, ping_pong=True, advance_descs=True),
-          192: Sm90FwdTile(128, 96, 2, advance_descs=True), 256: Sm90FwdTile(128, 80, 2, advance_descs=True)}
+          192: Sm90FwdTile(128, 112, 2, advance_descs=True), 256: Sm90FwdTile(128, 80, 2, advance_descs=True)}
 # d = 64 on two consumer warpgroups (240 registers each, 128-row q blocks) instead of three:
 # - under a band wider than a key block, where the three of _TILES spill the band's state (ptxas:
 #   92 / 88 bytes of spill stores / loads at 160 registers). H200, same process, 5 alternating
@@ -73,7 +74,10 @@ SHORT_CAUSAL_KEYS = 1024
 # but over rows of at most SHORT_CAUSAL_KEYS keys, with a mask or without, d = 128's tile: H100,
 # 4 alternating rounds, TFLOP/s of 128 x 128 / 192 x 96 at 1k / 4k / 16k: 433 / 392, 539 / 584,
 # 544 / 585; causal 301 / 268, 466 / 498, 544 / 565 (docs/PERF_NOTES.md)
-SHORT_ROW_TILES = {96: Sm90FwdTile(128, 128, 2, ping_pong=True, advance_descs=True)}
+# d = 192 there keeps 96-key blocks, 112 beyond: H100, 7 rotating rounds, speed of 112 against 96 at
+# 1k / 4k / 16k: 0.971 / 1.024 / 1.026, causal 0.987 / 1.014 / 1.053 (a copy of the 96 arm 0.996-1.019)
+SHORT_ROW_TILES = {96: Sm90FwdTile(128, 128, 2, ping_pong=True, advance_descs=True),
+                   192: Sm90FwdTile(128, 96, 2, advance_descs=True)}
 # d = 64 without a mask or score mods: descriptors advanced. H200, 7 alternating rounds, speed
 # advanced / not at 1k / 4k / 16k: 0.99 / 1.02 / 1.02; causal 0.97 / 0.99 / 0.97, softcap 0.99, a
 # 256-key window (two consumers) 0.93, a 64-key one 1.02 (docs/PERF_NOTES.md).

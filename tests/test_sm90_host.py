@@ -214,8 +214,11 @@ def test_head_dim_64_takes_two_consumer_warpgroups_for_wide_bands_and_short_caus
     for d in (96, 128, 192, 256):
         for mask, keys in (("local", 10 ** 6), ("causal", 10 ** 6), ("causal", None)):
             assert sm90_fwd.tile_for(d, mask, keys) == sm90_fwd._TILES[d]
-    for d in (128, 192, 256):
+    for d in (128, 256):
         assert sm90_fwd.tile_for(d, "causal", 512) == sm90_fwd._TILES[d]
+    # d = 192: 96-key blocks over short rows, whatever the mask, 112 beyond
+    for mask in ("none", "causal", "local"):
+        assert sm90_fwd.tile_for(192, mask, 512).block_n == 96 and sm90_fwd.tile_for(192, mask, 4096).block_n == 112
     family = sm90_fwd.Sm90Forward()
     hopper = DeviceInfo(0, "H100", 90, 132, 227 * 1024, 80 << 30)
     for window, alignment, seqlen, tile in (((256, 0), "bottom_right", 2048, two), ((48, 16), "top_left", 2048, three),
