@@ -64,14 +64,14 @@ _TILES = {64: Sm90FwdTile(192, 128, 2, ping_pong=True),
 #   rounds, speed two / three at 1k / 4k / 16k tokens: causal windows of 256 keys 1.27 / 1.13 /
 #   1.31, of 1024 keys 1.13 / 1.03 / 1.01, a top-left band of 257 keys 0.93 / 1.01 / 1.00; a 65-key
 #   top-left band (one key block per q block) 0.95 / 0.93 / 0.92 in an earlier run: it keeps three;
-# - causal over rows of at most SHORT_CAUSAL_KEYS keys, where 128-row q blocks compute less of the
+# - causal over rows of at most SHORT_ROW_KEYS keys, where 128-row q blocks compute less of the
 #   diagonal's key blocks (at 1k, 11% fewer scores than 192-row ones). H200, 3 alternating rounds,
 #   speed two / three at seqlen 512 / 1k / 2k / 4k / 16k: 1.07 / 1.08 / 0.96 / 0.93 / 0.87
 #   (without a mask 0.95 at 512 and 1k).
 TWO_CONSUMER_TILES = {64: Sm90FwdTile(128, 128, 2, ping_pong=True)}
-SHORT_CAUSAL_KEYS = 1024
+SHORT_ROW_KEYS = 1024
 # d = 96: three consumers of 96-key blocks (_TILES; 128-key ones spill 144 bytes at 160 registers),
-# but over rows of at most SHORT_CAUSAL_KEYS keys, with a mask or without, d = 128's tile: H100,
+# but over rows of at most SHORT_ROW_KEYS keys, with a mask or without, d = 128's tile: H100,
 # 4 alternating rounds, TFLOP/s of 128 x 128 / 192 x 96 at 1k / 4k / 16k: 433 / 392, 539 / 584,
 # 544 / 585; causal 301 / 268, 466 / 498, 544 / 565 (docs/PERF_NOTES.md)
 # d = 192 there keeps 96-key blocks, 112 beyond: H100, 7 rotating rounds, speed of 112 against 96 at
@@ -89,14 +89,16 @@ PLAIN_TILES = {64: replace(_TILES[64], advance_descs=True),
 
 def tile_for(head_dim: int, mask: str, keys_per_row: int | None = None, score_mod: bool = False) -> Sm90FwdTile:
     """The tile of a head dim under a mask and score mods or none; `keys_per_row` bounds the keys a
-    row sees (None: not known, the head dim's own tile)."""
-    if head_dim in SHORT_ROW_TILES and keys_per_row is not None and keys_per_row <= SHORT_CAUSAL_KEYS:
+    row sees (None: not known, the head dim's own tile). In order: SHORT_ROW_TILES over rows of at
+    most SHORT_ROW_KEYS keys whatever the mask, PLAIN_TILES without a mask or score mods,
+    TWO_CONSUMER_TILES under wide bands and over short causal rows, else _TILES."""
+    if head_dim in SHORT_ROW_TILES and keys_per_row is not None and keys_per_row <= SHORT_ROW_KEYS:
         return SHORT_ROW_TILES[head_dim]
     if mask == "none" and not score_mod:
         return PLAIN_TILES.get(head_dim, _TILES[head_dim])
     tile = _TILES[head_dim]
     if keys_per_row is not None and ((mask == "local" and keys_per_row > tile.block_n)
-                                     or (mask == "causal" and keys_per_row <= SHORT_CAUSAL_KEYS)):
+                                     or (mask == "causal" and keys_per_row <= SHORT_ROW_KEYS)):
         return TWO_CONSUMER_TILES.get(head_dim, tile)
     return tile
 

@@ -194,13 +194,13 @@ def test_dq_accum_is_head_major():
 
 def test_head_dim_64_takes_two_consumer_warpgroups_for_wide_bands_and_short_causal_rows():
     """d = 64 runs TWO_CONSUMER_TILES's two consumer warpgroups under a band wider than one key block
-    and causal over rows of at most SHORT_CAUSAL_KEYS keys; narrower bands, longer causal rows,
+    and causal over rows of at most SHORT_ROW_KEYS keys; narrower bands, longer causal rows,
     unknown widths, no mask and the other head dims keep _TILES's."""
     from flashcupy.device import DeviceInfo
 
     three, two = sm90_fwd._TILES[64], sm90_fwd.TWO_CONSUMER_TILES[64]
     assert (three.block_m, two.block_m) == (192, 128)
-    block_n, short = three.block_n, sm90_fwd.SHORT_CAUSAL_KEYS
+    block_n, short = three.block_n, sm90_fwd.SHORT_ROW_KEYS
     for mask, keys in (("local", block_n + 1), ("causal", short), ("causal", 1)):
         assert sm90_fwd.tile_for(64, mask, keys) == two, (mask, keys)
     for mask, keys in (("local", block_n), ("local", None), ("causal", short + 1), ("causal", None),
@@ -234,18 +234,18 @@ def test_head_dim_64_takes_two_consumer_warpgroups_for_wide_bands_and_short_caus
 
 def test_head_dim_96_takes_two_consumer_warpgroups_over_short_rows():
     """d = 96 runs three consumer warpgroups of 96-key blocks (112 without a mask or score mods),
-    and d = 128's tile where a row sees at most SHORT_CAUSAL_KEYS keys, whatever the mask and score
+    and d = 128's tile where a row sees at most SHORT_ROW_KEYS keys, whatever the mask and score
     mods; its tiles hold whole 64-column chunks, as d = 128's."""
     three, short = sm90_fwd._TILES[96], sm90_fwd.SHORT_ROW_TILES[96]
     assert (three.block_m, three.block_n, short.block_m, short.block_n) == (192, 96, 128, 128)
     for mask in ("none", "causal", "local"):
         for score_mod in (False, True):
-            assert sm90_fwd.tile_for(96, mask, sm90_fwd.SHORT_CAUSAL_KEYS, score_mod) == short
+            assert sm90_fwd.tile_for(96, mask, sm90_fwd.SHORT_ROW_KEYS, score_mod) == short
             if mask != "none" or score_mod:
-                assert sm90_fwd.tile_for(96, mask, sm90_fwd.SHORT_CAUSAL_KEYS + 1, score_mod) == three
+                assert sm90_fwd.tile_for(96, mask, sm90_fwd.SHORT_ROW_KEYS + 1, score_mod) == three
     plain = sm90_fwd.PLAIN_TILES[96]
     assert (plain.block_m, plain.block_n) == (192, 112)
-    for keys in (None, sm90_fwd.SHORT_CAUSAL_KEYS + 1):
+    for keys in (None, sm90_fwd.SHORT_ROW_KEYS + 1):
         assert sm90_fwd.tile_for(96, "none", keys) == plain
         assert sm90_fwd.tile_for(96, "none", keys, score_mod=True) == three
     assert [sm90_fwd.tile_cols(d) for d in (64, 96, 128, 192, 256)] == [64, 128, 128, 192, 256]
