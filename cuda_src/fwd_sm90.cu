@@ -29,9 +29,10 @@
 // the online softmax, the mask and the score mods are softmax.cuh's, mask.cuh's and score_mod.cuh's,
 // with fragment.cuh's MmaAccCoords placing the scores, shared with the sm80 kernels.
 //
-// Shared memory holds each tile as head-dim chunks of 64 columns (128 bytes a row; at d = 96 the
-// second half used), the 128-byte swizzle TMA writes and the wgmma descriptors read: the Q buffers, then kStages K tiles, then
-// kStages V tiles, then O's tile where it fits, then the mbarriers.
+// Shared memory holds each tile as head-dim chunks of 64 columns (128 bytes a row; at d = 96 half
+// of the second chunk is used), the 128-byte swizzle TMA writes and the wgmma descriptors read: the
+// Q buffers, then kStages K tiles, then kStages V tiles, then O's tile where it fits, then the
+// mbarriers.
 #include "sm90.cuh"
 #include "softmax.cuh"
 #include "mask.cuh"

@@ -216,8 +216,8 @@ FC_DEVICE u64 gmma_desc_advance(u64 desc, u32 bytes) {
 
 template <int N, bool Is_bf16>
 struct Wgmma {
-    static_assert(N == 24 || N == 32 || N == 48 || N == 64 || N == 80 || N == 96 || N == 112 || N == 128 || N == 176 || N == 192 ||
-                      N == 256,
+    static_assert(N == 24 || N == 32 || N == 48 || N == 64 || N == 80 || N == 96 || N == 112 || N == 128 ||
+                      N == 176 || N == 192 || N == 256,
                   "wgmma N of the sm90 kernels (add its register lists above for another)");
     static constexpr int kRegs = N / 2;  // float32 accumulators per thread
 

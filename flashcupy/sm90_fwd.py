@@ -76,8 +76,7 @@ SHORT_ROW_KEYS = 1024
 # 544 / 585; causal 301 / 268, 466 / 498, 544 / 565 (docs/PERF_NOTES.md)
 # d = 192 there keeps 96-key blocks, 112 beyond: H100, 7 rotating rounds, speed of 112 against 96 at
 # 1k / 4k / 16k: 0.971 / 1.024 / 1.026, causal 0.987 / 1.014 / 1.053 (a copy of the 96 arm 0.996-1.019)
-SHORT_ROW_TILES = {96: Sm90FwdTile(128, 128, 2, ping_pong=True, advance_descs=True),
-                   192: Sm90FwdTile(128, 96, 2, advance_descs=True)}
+SHORT_ROW_TILES = {96: _TILES[128], 192: Sm90FwdTile(128, 96, 2, advance_descs=True)}
 # d = 64 without a mask or score mods: descriptors advanced. H200, 7 alternating rounds, speed
 # advanced / not at 1k / 4k / 16k: 0.99 / 1.02 / 1.02; causal 0.97 / 0.99 / 0.97, softcap 0.99, a
 # 256-key window (two consumers) 0.93, a 64-key one 1.02 (docs/PERF_NOTES.md).
@@ -110,7 +109,8 @@ MAX_SMEM = 227 * 1024  # Sm90FwdTraits::kMaxSmem, an sm_90 block's shared memory
 def tile_cols(head_dim: int) -> int:
     """Columns a tile's row takes in shared memory: whole 64-column chunks (Sm90FwdTraits::kTileCols;
     at d = 96 the second is half used)."""
-    return -(-head_dim // 64) * 64
+    chunk = SWIZZLE_BYTES // 2  # 16-bit columns
+    return -(-head_dim // chunk) * chunk
 
 
 def q_slots(head_dim: int, tile: Sm90FwdTile) -> int:
