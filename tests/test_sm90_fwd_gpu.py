@@ -82,13 +82,15 @@ def test_banded_o_staged_in_q_or_stored_direct(head_dim, options, o_in_q, shape,
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
-def test_many_blocks_gqa_and_sinks(head_dim):
-    """batch x heads past twice the SM count; 8 query heads per kv head; sink logits."""
+@pytest.mark.parametrize("seqlen_k", [333, 1100], ids=["short-rows", "long-rows"])
+def test_many_blocks_gqa_and_sinks(head_dim, seqlen_k):
+    """batch x heads past twice the SM count; 8 query heads per kv head; sink logits; rows of at
+    most SHORT_ROW_KEYS keys and more (at d = 96 the two take different tiles)."""
     import cupy
 
-    rng = np.random.default_rng(head_dim)
+    rng = np.random.default_rng(head_dim + seqlen_k)
     q = randn(rng, (3, 200, 96, head_dim), "bfloat16")
-    k, v = (randn(rng, (3, 333, 12, head_dim), "bfloat16") for _ in range(2))
+    k, v = (randn(rng, (3, seqlen_k, 12, head_dim), "bfloat16") for _ in range(2))
     sinks = cupy.asarray(rng.uniform(-1, 2, 96).astype(np.float32))
     run(q, k, v, "bfloat16", causal=True, sinks=sinks)
 
