@@ -75,7 +75,11 @@ def test_main_is_the_console_entry():
     (["--peers", "none,naive"], "cannot be combined"),
     (["--dtype", "fp32"], "bf16, fp16"),
     (["--mode", "fwd,both"], "fwdbwd"),
-    (["--hidden", "2000", "--head-dims", "64"], "multiple of head dim 64"),
+    (["--hidden", "2000", "--head-dims", "64"], "multiple of head dim 64; e.g. --hidden 2048"),
+    (["--head-dims", "96"], "2048 is not a multiple of head dim 96; e.g. --hidden 1920"),
+    (["--head-dims", "96", "--variants", "plain"], "e.g. --hidden 2016"),
+    (["--head-dims", "64,96,128"], "e.g. --hidden 1536"),
+    (["--hidden", "2400", "--head-dims", "96"], "25 heads to be a multiple of 4; e.g. --hidden 2304"),
     (["--json", "no/such/folder/bench.json"], "does not exist"),
     (["--plot", "no/such/folder/bench.png"], "does not exist"),
 ])
