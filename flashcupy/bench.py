@@ -154,6 +154,27 @@ def format_seqlen(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
+def hidden_near(hidden: int, head_dims, variants) -> int:
+    """The model width nearest `hidden` (at least one step) that every head dim divides, with heads in
+    groups of GQA_GROUP where the gqa variant runs."""
+    step = int(np.lcm.reduce([int(d) for d in head_dims])) * (GQA_GROUP if "gqa" in variants else 1)
+    return max(1, round(hidden / step)) * step
+
+
+def check_hidden(hidden: int, head_dims, variants) -> None:
+    """ValueError, with a width that would do (hidden_near), unless every head dim divides `hidden`
+    into whole heads, in groups of GQA_GROUP where the gqa variant runs."""
+    for d in head_dims:
+        if hidden % d:
+            problem = f"hidden size {hidden} is not a multiple of head dim {d}"
+        elif "gqa" in variants and (hidden // d) % GQA_GROUP:
+            problem = (f"the gqa variant needs hidden / head dim {d} = {hidden // d} heads to be a multiple of "
+                       f"{GQA_GROUP}")
+        else:
+            continue
+        raise ValueError(f"{problem}; e.g. --hidden {hidden_near(hidden, head_dims, variants)}")
+
+
 def sweep_shapes(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causal=(False, True),
                  dtypes=("bf16",), modes=("fwd",), total_tokens=DEFAULT_TOTAL_TOKENS,
                  hidden=DEFAULT_HIDDEN, variants=("plain",)) -> list[BenchShape]:
@@ -162,9 +183,7 @@ def sweep_shapes(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causal=(F
     "plain" gives the causal settings asked for; "gqa" and "window" each add causal cases, with
     nheads // GQA_GROUP kv heads or a DEFAULT_WINDOW sliding window.
     """
-    for d in head_dims:
-        if hidden % d:
-            raise ValueError(f"hidden size {hidden} is not a multiple of head dim {d}")
+    check_hidden(hidden, head_dims, variants)
     for dt in dtypes:
         if dt not in DTYPES:
             raise ValueError(f"dtype {dt!r} is not one of {', '.join(DTYPES)}")
@@ -174,10 +193,6 @@ def sweep_shapes(seqlens=DEFAULT_SEQLENS, head_dims=DEFAULT_HEAD_DIMS, causal=(F
     for name in variants:
         if name not in VARIANTS:
             raise ValueError(f"variant {name!r} is not one of {', '.join(VARIANTS)}")
-    for d in head_dims:
-        if "gqa" in variants and (hidden // d) % GQA_GROUP:
-            raise ValueError(f"GQA needs nheads = {hidden // d} (hidden {hidden} / head dim {d}) to be a "
-                             f"multiple of {GQA_GROUP}")
     cases = [(bool(c), 1, None) for c in causal] if "plain" in variants else []  # (causal, group, window)
     cases += [(True, GQA_GROUP, None)] if "gqa" in variants else []
     cases += [(True, 1, DEFAULT_WINDOW)] if "window" in variants else []

@@ -129,13 +129,6 @@ def _in_existing_folder(ctx, param, value):
     return value
 
 
-def _hidden_near(hidden: int, head_dims, variants) -> int:
-    """The model width nearest `hidden` (at least one step) that every head dim divides, with heads in
-    groups of bench.GQA_GROUP where the gqa variant runs: what --hidden's errors suggest."""
-    step = int(np.lcm.reduce([int(d) for d in head_dims])) * (bench.GQA_GROUP if "gqa" in variants else 1)
-    return max(1, round(hidden / step)) * step
-
-
 def _require_gpu(ctx):
     """DeviceInfo of the current device, or one line on stderr saying what is missing and exit
     status NO_GPU_EXIT."""
@@ -335,14 +328,10 @@ def bench_command(ctx, seqlens, head_dims, causal, variants, dtypes, modes, tota
                       peers if "peers" in given else bench_decode.PEERS, repeats, warmup, json_path, quiet, batches,
                       kv_lens, heads, layouts, page_size, hbm_peak)
         return
-    for d in head_dims:
-        if hidden % d:
-            raise click.BadParameter(f"{hidden} is not a multiple of head dim {d}; e.g. --hidden "
-                                     f"{_hidden_near(hidden, head_dims, variants)}", ctx=ctx, param_hint="'--hidden'")
-        if "gqa" in variants and (hidden // d) % bench.GQA_GROUP:
-            raise click.BadParameter(f"the gqa variant needs hidden / head dim {d} = {hidden // d} heads to be a "
-                                     f"multiple of {bench.GQA_GROUP}; e.g. --hidden "
-                                     f"{_hidden_near(hidden, head_dims, variants)}", ctx=ctx, param_hint="'--hidden'")
+    try:
+        bench.check_hidden(hidden, head_dims, variants)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param_hint="'--hidden'") from None
     info = _require_gpu(ctx)
     if plot_path:  # fail now rather than after the sweep
         try:
