@@ -64,9 +64,11 @@ struct Sm90BwdTraits {
     static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
     static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * kConsumers,
                   "register reallocation: the consumers would wait for registers the producer does not free");
-    static constexpr int kChunk = 64, kChunks = kHeadDim / kChunk;
-    static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
-    static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // Q or dO, one stage
+    // Whole 64-column chunks of the 128-byte swizzle: at d = 96 the second is half used (TMA fills
+    // its columns past the head dim with zeros, which no wgmma reads)
+    static constexpr int kChunk = 64, kChunks = (kHeadDim + kChunk - 1) / kChunk, kTileCols = kChunks * kChunk;
+    static constexpr int kKVBytes = kBlockN * kTileCols * 2;  // K or V
+    static constexpr int kQBytes = kBlockM * kTileCols * 2;   // Q or dO, one stage
     static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // dS^T, dS or P^T, one buffer (layouts above)
     static constexpr int kDSBuffers = kKeysOnN ? 4 : 2;       // keys on N, P^T and dS^T twice
     // Keys on N: a consumer's keys of S and dP, and its columns of dK, dV and dQ
@@ -76,12 +78,16 @@ struct Sm90BwdTraits {
     // its half of the queries (kDQSplitRows) and all columns; with 80 (not a wgmma M), all of them and
     // half of the columns, computed transposed (kDQTransposed: dQ_i^T = K_j^T dS^T, queries on N).
     // Keys on N, a consumer's 128 columns go in kDQSlices slices of 64, computed and handed off in
-    // turn through one tile (what 64 keys' K and V leave of shared memory holds one slice a consumer)
+    // turn through one tile (what 64 keys' K and V leave of shared memory holds one slice a consumer).
+    // At d = 96 each consumer takes a chunk's 64 columns, the second's last 32 past the head dim
+    // (K's zeros) and not added (kDQColsLast: a wgmma's N-major B may not start inside a chunk and
+    // run past its end).
     static constexpr bool kDQSplitRows = kBlockM == 128;
     static constexpr bool kDQTransposed = !kKeysOnN && kBlockM % 64 != 0;
     static constexpr int kDQSlices = kKeysOnN ? 2 : 1;
     static constexpr int kDQRows = kDQTransposed ? kBlockM : 64;
-    static constexpr int kDQCols = kDQSplitRows ? kHeadDim : kHeadDim / kConsumerWGs / kDQSlices;
+    static constexpr int kDQCols = kDQSplitRows ? kHeadDim : kTileCols / kConsumerWGs / kDQSlices;
+    static constexpr int kDQColsLast = kDQSplitRows || kKeysOnN ? kDQCols : kHeadDim - kDQCols;
     static constexpr int kDQPartCols = 32, kDQParts = kDQCols / kDQPartCols;
     static constexpr int kDQPartBytes = kDQRows * kDQPartCols * 4, kDQBytes = kDQParts * kDQPartBytes;
     static constexpr int kOffV = kKVBytes;
@@ -102,8 +108,8 @@ struct Sm90BwdTraits {
     // Named barriers: dS^T written (both consumers read all of it), then per consumer its dQ tile
     // written (to warp 3) and read (from warp 3).
     static constexpr int kBarDS = 1, kBarDQFull = 2, kBarDQEmpty = 4, kDQHandoff = 128 + 32;
-    static_assert(kKeysOnN || kHeadDim == 64 || kHeadDim == 128,
-                  "keys on M: head dims 64 and 128 (dQ: 64 x 32 or 64 x 64 per warpgroup)");
+    static_assert(kKeysOnN || kHeadDim == 64 || kHeadDim == 128 || (kHeadDim == 96 && kBlockM == 64),
+                  "keys on M: head dims 64, 96 and 128 (dQ: 64 x 32, 64 and 32, or 64 x 64 per warpgroup)");
     static_assert(kKeysOnN || kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64) || (kBlockM == 80 && kHeadDim == 128),
                   "keys on M: q blocks of 64, 128 at head dim 64 (S^T and dP^T take 64 registers each), 80 at 128");
     static_assert(kKeysOnN || kBlockN == 128, "keys on M: two consumer warpgroups of 64 keys");
@@ -288,7 +294,7 @@ FC_DEVICE void bwd_producer(const Sm90BwdArgs& args, const Sm90BwdBlock<T, Is_ca
                     if (lane == 0) {
                         const u32 tile = b.smem + T::kOffDQ + c * T::kDQBytes;
 #pragma unroll
-                        for (int h = 0; h < T::kDQParts; ++h)
+                        for (int h = 0; h < (c + 1 == T::kConsumerWGs ? T::kDQColsLast : T::kDQCols) / T::kDQPartCols; ++h)
                             tma_reduce_add_4d(&args.dq_accum, tile + h * T::kDQPartBytes,
                                               (T::kDQSplitRows ? 0 : (c * T::kDQSlices + sl) * T::kDQCols) +
                                                   h * T::kDQPartCols,
@@ -312,7 +318,7 @@ FC_DEVICE void bwd_producer(const Sm90BwdArgs& args, const Sm90BwdBlock<T, Is_ca
     }
 }
 
-// A consumer's dQ_i (rows 16 warp + g + 8 h of its 64, columns 8 nt + 2 t + e1 of its kDQCols) to
+// A consumer's dQ_i (rows 16 warp + g + 8 h of its 64, columns 8 nt + 2 t + e1 of its kCols) to
 // its dQ tile, then handed to warp 3: column part nt / 4, its 16-byte unit 2 (nt % 4) + t / 2
 // swizzled with the row's low three bits (g): the address of unit (t / 2) ^ g, XOR (nt % 4) << 5.
 // Rows g and g ^ 1 would store to the same banks at once, so odd rows store tile nt ^ 2 where even
@@ -340,14 +346,14 @@ FC_DEVICE void hand_off_dq_transposed(u32 smem, int consumer, int warp, int g, i
     named_bar_arrive(T::kBarDQFull + consumer, T::kDQHandoff);
 }
 
-template <class T>
+template <class T, int kCols = T::kDQCols>
 FC_DEVICE void hand_off_dq(u32 smem, int consumer, int warp, int g, int t, const float (&acc_dq)[T::kDQCols / 2]) {
     const bool odd = g & 1;
     const u32 dq_row = in_place(smem + T::kOffDQ + consumer * T::kDQBytes + (16 * warp + g) * 128 +
                                 (((((t >> 1) ^ g) << 4) + 8 * (t & 1)) ^ (odd << 6)));
     named_bar_sync(T::kBarDQEmpty + consumer, T::kDQHandoff);
 #pragma unroll
-    for (int nt = 0; nt < T::kDQCols / 8; ++nt)
+    for (int nt = 0; nt < kCols / 8; ++nt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int even_i = 4 * nt + 2 * h, odd_i = 4 * (nt ^ 2) + 2 * h;
@@ -559,6 +565,10 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
             const u64 desc_k_dq =
                 gmma_desc(kv_base(sK + (col0 / 64) * kBlockN * 128 + (col0 % 64) * 2), kBlockN * 128, 1024);
             float acc_dq[T::kDQTransposed ? kBlockM / 2 : kDQCols / 2];
+            // d = 96: the second consumer's 64 columns run past the head dim into K's zero-filled
+            // ones (a wgmma of 32 in a branch of its own made ptxas serialize every wgmma); only its
+            // first kDQColsLast are handed off
+            const bool last_dq_cols = T::kDQColsLast != kDQCols && consumer + 1 == T::kConsumerWGs;
             if constexpr (T::kDQTransposed) {
                 // dQ_i^T (its 64 columns x kBlockM queries) = K_j^T (M-major: 16 keys 2048 bytes apart) dS^T
                 // (dS K-major: 16 keys 32 bytes apart in a 64-key chunk, chunks kBlockM * 128 bytes apart)
@@ -588,6 +598,7 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
             fence_regs(acc_dv);
             fence_regs(acc_dq);
             if constexpr (T::kDQTransposed) hand_off_dq_transposed<T>(smem, consumer, warp, g, t, acc_dq);
+            else if (last_dq_cols) hand_off_dq<T, T::kDQColsLast>(smem, consumer, warp, g, t, acc_dq);
             else hand_off_dq<T>(smem, consumer, warp, g, t, acc_dq);
             wgmma_wait<0>();  // dK done: Q_i, dO_i, a_ds free
             fence_regs(acc_dk);
@@ -613,8 +624,9 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
     // (kHeadDim columns, the 16-byte units of row r at unit ^ (r % 8), so that 8 rows' units fall in
     // different banks); then 16-byte stores along the rows, where each thread had stored its
     // fragments 4 bytes at a time (5-10% faster at 512-1k tokens, docs/PERF_NOTES.md). The stages'
-    // address comes from the generic pointer: sQ, kept live across the loop, spilled at d=128.
-    constexpr int kRowBytes = kHeadDim * 2;
+    // address comes from the generic pointer: sQ, kept live across the loop, spilled at d=128. Rows
+    // of whole chunks (at d = 96, 12 units of 16 bytes swizzled among 16).
+    constexpr int kRowBytes = T::kTileCols * 2;
     static_assert(2 * kBlockN * kRowBytes <= 2 * kStages * T::kQBytes && T::kOffDO == T::kOffQ + kStages * T::kQBytes,
                   "dK, dV staged in the Q and dO stages");
     const u32 sdK = in_place(smem_u32(b.smem_ptr)) + T::kOffQ, sdV = sdK + kBlockN * kRowBytes;
