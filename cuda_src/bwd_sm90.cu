@@ -23,13 +23,15 @@
 //     dQ_i per warpgroup, over all the block's keys: with 64 queries half of the columns, with 128
 //     half of the queries; with 80 (no wgmma has an M of 80) half of the columns as
 //       dQ_i^T = K_j^T dS^T                             // dS stored untransposed (stmatrix .trans)
-// Keys on N (head dim 256, where 64 keys x 256 columns of dK and dV per consumer would not fit in
-// registers): kBlockN = 64 keys, kBlockM = 64; per q block each consumer
+// Keys on N (head dims 192 and 256, where 64 keys x all columns of dK and dV per consumer would
+// not fit in registers): kBlockN = 64 keys, kBlockM = 64; per q block each consumer
 //       S = Q_i K_c^T, dP = dO_i V_c^T                  // its 32 keys c, queries on M
 //       P, dS as above -> shared memory, transposed (stmatrix): P^T, dS^T [64 keys][64 queries]
-//       dV_j^T += dO_i^T P^T, dK_j^T += Q_i^T dS^T      // its 128 columns on M, operands in smem
-//       dQ_i = dS K_j                                   // its 128 columns, all 64 keys, in two
-//                                                       // slices of 64 handed off in turn
+//       dV_j^T += dO_i^T P^T, dK_j^T += Q_i^T dS^T      // columns on M, operands in smem: at 256
+//                                                       // its 128 columns, all keys; at 192 all
+//                                                       // columns, its 32 keys
+//       dQ_i = dS K_j                                   // its half of the columns, all 64 keys, in
+//                                                       // two slices handed off in turn
 //     with one stage of dO, and P^T, dS^T in two buffers each, alternating (48 keys with the whole
 //     dQ tile at once read slower: docs/PERF_NOTES.md).
 // Then dK_j *= softmax_scale; dK_j, dV_j to memory.
@@ -71,23 +73,38 @@ struct Sm90BwdTraits {
     static constexpr int kQBytes = kBlockM * kTileCols * 2;   // Q or dO, one stage
     static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // dS^T, dS or P^T, one buffer (layouts above)
     static constexpr int kDSBuffers = kKeysOnN ? 4 : 2;       // keys on N, P^T and dS^T twice
-    // Keys on N: a consumer's keys of S and dP, and its columns of dK, dV and dQ
-    static constexpr int kWGKeys = kBlockN / kConsumerWGs, kWGCols = kHeadDim / kConsumerWGs;
+    // Keys on N: a consumer's keys of S and dP; its part of dK^T and dV^T: half of the columns over
+    // all keys where the half is whole 64-column m tiles (256), else all columns over its keys (192)
+    static constexpr int kWGKeys = kBlockN / kConsumerWGs;
+    static constexpr bool kDKVSplitKeys = kKeysOnN && (kHeadDim / kConsumerWGs) % 64 != 0;
+    static constexpr int kDKVCols = kDKVSplitKeys ? kHeadDim : kHeadDim / kConsumerWGs;
+    static constexpr int kDKVKeys = kDKVSplitKeys ? kWGKeys : kBlockN;
     // dQ_i: each consumer a kDQRows x kDQCols tile over all the block's keys, staged as float32 in
     // 32-column parts (128-byte rows): with 64 queries, all of them and half of the columns; with 128,
     // its half of the queries (kDQSplitRows) and all columns; with 80 (not a wgmma M), all of them and
     // half of the columns, computed transposed (kDQTransposed: dQ_i^T = K_j^T dS^T, queries on N).
-    // Keys on N, a consumer's 128 columns go in kDQSlices slices of 64, computed and handed off in
-    // turn through one tile (what 64 keys' K and V leave of shared memory holds one slice a consumer).
-    // At d = 96 each consumer takes a chunk's 64 columns, the second's last 32 past the head dim
-    // (K's zeros) and not added (kDQColsLast: a wgmma's N-major B may not start inside a chunk and
-    // run past its end).
+    // Keys on N, a consumer's half of the columns goes in kDQSlices slices of at most 64, computed
+    // and handed off in turn through one tile (what 64 keys' K and V leave of shared memory holds one
+    // slice a consumer): at 256 its two chunks; at 192 a whole chunk (0 or 2), then its half of the
+    // middle one. At d = 96 each consumer takes a chunk's 64 columns, the second's last 32 past the
+    // head dim (K's zeros) and not added (kDQColsLast). A wgmma's N-major B may start inside a chunk
+    // but not run past its end.
     static constexpr bool kDQSplitRows = kBlockM == 128;
     static constexpr bool kDQTransposed = !kKeysOnN && kBlockM % 64 != 0;
     static constexpr int kDQSlices = kKeysOnN ? 2 : 1;
     static constexpr int kDQRows = kDQTransposed ? kBlockM : 64;
-    static constexpr int kDQCols = kDQSplitRows ? kHeadDim : kTileCols / kConsumerWGs / kDQSlices;
+    static constexpr int kDQCols = kKeysOnN ? kChunk : kDQSplitRows ? kHeadDim : kTileCols / kConsumerWGs;
     static constexpr int kDQColsLast = kDQSplitRows || kKeysOnN ? kDQCols : kHeadDim - kDQCols;
+    // consumer c's slice sl of dQ: its first column and its width (the columns warp 3 adds)
+    static FC_DEVICE constexpr int dq_col0(int c, int sl) {
+        return !kKeysOnN ? (kDQSplitRows ? 0 : c * kDQCols)
+                         : kDKVSplitKeys ? (sl == 0 ? 2 * kChunk * c : kChunk + kChunk / 2 * c)
+                                         : (kDQSlices * c + sl) * kDQCols;
+    }
+    static FC_DEVICE constexpr int dq_cols(int c, int sl) {
+        return !kKeysOnN ? (c + 1 == kConsumerWGs ? kDQColsLast : kDQCols)
+                         : kDKVSplitKeys && sl == 1 ? kChunk / 2 : kDQCols;
+    }
     static constexpr int kDQPartCols = 32, kDQParts = kDQCols / kDQPartCols;
     static constexpr int kDQPartBytes = kDQRows * kDQPartCols * 4, kDQBytes = kDQParts * kDQPartBytes;
     static constexpr int kOffV = kKVBytes;
@@ -113,8 +130,9 @@ struct Sm90BwdTraits {
     static_assert(kKeysOnN || kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64) || (kBlockM == 80 && kHeadDim == 128),
                   "keys on M: q blocks of 64, 128 at head dim 64 (S^T and dP^T take 64 registers each), 80 at 128");
     static_assert(kKeysOnN || kBlockN == 128, "keys on M: two consumer warpgroups of 64 keys");
-    static_assert(!kKeysOnN || (kHeadDim == 256 && kBlockM == 64 && kBlockN == 64),
-                  "keys on N: head dim 256, 64 queries (one wgmma M), 32 keys per consumer");
+    static_assert(!kKeysOnN || ((kHeadDim == 192 || kHeadDim == 256) && kBlockM == 64 && kBlockN == 64),
+                  "keys on N: head dims 192 (dQ a chunk and a half per consumer) and 256, 64 queries (one "
+                  "wgmma M), 32 keys per consumer");
 };
 
 // The score-mod instances' P^T and a_p (the plain ones compute them in the kernel, where ptxas
@@ -294,10 +312,9 @@ FC_DEVICE void bwd_producer(const Sm90BwdArgs& args, const Sm90BwdBlock<T, Is_ca
                     if (lane == 0) {
                         const u32 tile = b.smem + T::kOffDQ + c * T::kDQBytes;
 #pragma unroll
-                        for (int h = 0; h < (c + 1 == T::kConsumerWGs ? T::kDQColsLast : T::kDQCols) / T::kDQPartCols; ++h)
+                        for (int h = 0; h < T::dq_cols(c, sl) / T::kDQPartCols; ++h)
                             tma_reduce_add_4d(&args.dq_accum, tile + h * T::kDQPartBytes,
-                                              (T::kDQSplitRows ? 0 : (c * T::kDQSlices + sl) * T::kDQCols) +
-                                                  h * T::kDQPartCols,
+                                              T::dq_col0(c, sl) + h * T::kDQPartCols,
                                               q_row + (T::kDQSplitRows ? c * T::kDQRows : 0), b.head, b.tma_batch);
                         bulk_commit();
                     }
@@ -346,8 +363,9 @@ FC_DEVICE void hand_off_dq_transposed(u32 smem, int consumer, int warp, int g, i
     named_bar_arrive(T::kBarDQFull + consumer, T::kDQHandoff);
 }
 
-template <class T, int kCols = T::kDQCols>
-FC_DEVICE void hand_off_dq(u32 smem, int consumer, int warp, int g, int t, const float (&acc_dq)[T::kDQCols / 2]) {
+template <class T, int kCols = T::kDQCols, int kRegs>
+FC_DEVICE void hand_off_dq(u32 smem, int consumer, int warp, int g, int t, const float (&acc_dq)[kRegs]) {
+    static_assert(2 * kRegs >= kCols, "a dQ fragment of kCols columns");
     const bool odd = g & 1;
     const u32 dq_row = in_place(smem + T::kOffDQ + consumer * T::kDQBytes + (16 * warp + g) * 128 +
                                 (((((t >> 1) ^ g) << 4) + 8 * (t & 1)) ^ (odd << 6)));
@@ -681,26 +699,27 @@ struct Sm90ProbsKeysOnN {
     }
 };
 
-// Keys on N: a consumer's 32 keys of S and dP, and its 128 columns of dK, dV and dQ (see the top).
+// Keys on N: a consumer's 32 keys of S and dP, its part of dK, dV, its half of dQ (see the top).
 template <class T, bool Is_causal, bool Is_local, bool Is_bf16, bool Has_score_mod>
 FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, Is_causal, Is_local>& b,
                                       const ScoreMod& mod, int tid) {
     constexpr int kHeadDim = T::kHeadDim, kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStages = T::kStages;
     constexpr int kNT = T::kWGKeys / 8;   // n tiles of S and dP
-    constexpr int kMT = T::kWGCols / 64;  // m tiles (64 columns) of dK^T and dV^T
+    constexpr int kMT = T::kDKVCols / 64, kDKVKeys = T::kDKVKeys;  // m tiles (64 columns), keys of dK^T, dV^T
     const u32 smem = b.smem, sK = smem, sV = smem + T::kOffV, sQ = smem + T::kOffQ, sdO = smem + T::kOffDO;
     const int seqlen_q = b.seq.seqlen_q, seqlen_k = b.seq.seqlen_k, key0 = b.key0;
     const int consumer = tid / 128 - 1, lane = tid & 31, warp = (tid / 32) % 4, g = lane >> 2, t = lane & 3;
     const int key_wg = T::kWGKeys * consumer;  // this warpgroup's first key in the block
-    const int col_wg = T::kWGCols * consumer;  // its first column of dK, dV and dQ
-    const int row = 16 * warp + g;             // the thread's first query in a q block (and row + 8)
-    // dK^T, dV^T: element e of tile j of m tile mt is column col_wg + 64 mt + row + 8 (e / 2), key
-    // 8 j + 2 t + e % 2
-    float acc_dk[kMT][kBlockN / 2], acc_dv[kMT][kBlockN / 2];
+    const int col_dkv = T::kDKVSplitKeys ? 0 : T::kDKVCols * consumer;  // its first column of dK, dV
+    const int key_dkv = T::kDKVSplitKeys ? key_wg : 0;                   // and first key
+    const int row = 16 * warp + g;  // the thread's first query in a q block (and row + 8)
+    // dK^T, dV^T: element e of tile j of m tile mt is column col_dkv + 64 mt + row + 8 (e / 2), key
+    // key_dkv + 8 j + 2 t + e % 2
+    float acc_dk[kMT][kDKVKeys / 2], acc_dv[kMT][kDKVKeys / 2];
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int i = 0; i < kBlockN / 2; ++i) acc_dk[mt][i] = acc_dv[mt][i] = 0.f;
+        for (int i = 0; i < kDKVKeys / 2; ++i) acc_dk[mt][i] = acc_dv[mt][i] = 0.f;
     // P^T, dS^T ([kBlockN keys][kBlockM queries], 128-byte rows, the 128-byte swizzle) from S-shaped
     // fragments, transposed by stmatrix: matrix i = lane / 8 is tile j0 + i / 2, rows 8 (i % 2) ..
     // of the warp's 16; its row r = lane % 8 is key key_wg + 8 j + r, whose queries 16 warp + 8 (i %
@@ -776,29 +795,41 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) fence_regs(acc_dv[mt]);
         wgmma_fence();
-        const u64 desc_pt = gmma_desc(sPT, 16, 1024), desc_dst = gmma_desc(sdST, 16, 1024);
-        const u64 desc_do_m = gmma_desc(sdO_s + (col_wg / 64) * kBlockM * 128, kBlockM * 128, 1024);
-        const u64 desc_q_m = gmma_desc(sQ_s + (col_wg / 64) * kBlockM * 128, kBlockM * 128, 1024);
+        const u64 desc_pt = gmma_desc(sPT + key_dkv * 128, 16, 1024), desc_dst = gmma_desc(sdST + key_dkv * 128, 16, 1024);
+        const u64 desc_do_m = gmma_desc(sdO_s + (col_dkv / 64) * kBlockM * 128, kBlockM * 128, 1024);
+        const u64 desc_q_m = gmma_desc(sQ_s + (col_dkv / 64) * kBlockM * 128, kBlockM * 128, 1024);
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk)
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt)
-                Wgmma<kBlockN, Is_bf16>::ss_tn(acc_dv[mt], gmma_desc_advance(desc_do_m, mt * kBlockM * 128 + kk * 2048),
-                                               gmma_desc_advance(desc_pt, kk * 32), 1);
+                Wgmma<kDKVKeys, Is_bf16>::ss_tn(acc_dv[mt], gmma_desc_advance(desc_do_m, mt * kBlockM * 128 + kk * 2048),
+                                                gmma_desc_advance(desc_pt, kk * 32), 1);
         wgmma_commit();
         // dQ_i = dS K_j over a slice of its columns: A dS^T (M-major: 16 keys 2048 bytes apart), B K
-        // (N-major, the slice's 64-column chunk)
+        // (N-major, the slice's columns of a 64-column chunk)
         const u64 desc_ds = gmma_desc(sdST, kBlockN * 128, 1024);
-        float acc_dq[T::kDQCols / 2];
+        // the second slice in the same registers, or a narrower one in its own (the first's part of
+        // them made ptxas serialize the wgmmas, C7511)
+        constexpr int kCols1 = T::dq_cols(0, 1);
+        float acc_dq[T::kDQCols / 2], acc_dq_narrow[kCols1 < T::kDQCols ? kCols1 / 2 : 1];
         auto issue_dq = [&](int slice) {
-            const u64 desc_k = gmma_desc(in_place(sK + (col_wg / 64 + slice) * kBlockN * 128), kBlockN * 128, 1024);
+            const u32 col0 = T::dq_col0(consumer, slice);  // its chunk, then the column in it
+            const u64 desc_k = gmma_desc(in_place(sK + col0 / 64 * kBlockN * 128 + col0 % 64 * 2), kBlockN * 128, 1024);
 #pragma unroll
-            for (int kk = 0; kk < kBlockN / 16; ++kk)
-                Wgmma<T::kDQCols, Is_bf16>::ss_tt(acc_dq, gmma_desc_advance(desc_ds, kk * 2048),
-                                                  gmma_desc_advance(desc_k, kk * 2048), kk > 0);
+            for (int kk = 0; kk < kBlockN / 16; ++kk) {
+                const u64 a = gmma_desc_advance(desc_ds, kk * 2048), b = gmma_desc_advance(desc_k, kk * 2048);
+                if constexpr (kCols1 < T::kDQCols) {
+                    if (slice == 1) {
+                        Wgmma<kCols1, Is_bf16>::ss_tt(acc_dq_narrow, a, b, kk > 0);
+                        continue;
+                    }
+                }
+                Wgmma<T::kDQCols, Is_bf16>::ss_tt(acc_dq, a, b, kk > 0);
+            }
             wgmma_commit();
         };
-        static_assert(T::kDQSlices == 2 && T::kDQCols == 64, "keys on N: dQ in two 64-column slices");
+        static_assert(T::kDQSlices == 2 && T::kDQCols == 64 && T::dq_cols(0, 0) == 64,
+                      "keys on N: dQ in two slices, the first of 64 columns");
         issue_dq(0);
         // dK^T += Q_i^T dS^T, as dV^T
 #pragma unroll
@@ -808,8 +839,8 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
         for (int kk = 0; kk < kBlockM / 16; ++kk)
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt)
-                Wgmma<kBlockN, Is_bf16>::ss_tn(acc_dk[mt], gmma_desc_advance(desc_q_m, mt * kBlockM * 128 + kk * 2048),
-                                               gmma_desc_advance(desc_dst, kk * 32), 1);
+                Wgmma<kDKVKeys, Is_bf16>::ss_tn(acc_dk[mt], gmma_desc_advance(desc_q_m, mt * kBlockM * 128 + kk * 2048),
+                                                gmma_desc_advance(desc_dst, kk * 32), 1);
         wgmma_commit();
         wgmma_wait<2>();  // dV^T done: dO_i free
 #pragma unroll
@@ -819,14 +850,19 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
         fence_regs(acc_dq);
         hand_off_dq<T>(smem, consumer, warp, g, t, acc_dq);
         wgmma_fence();
-        issue_dq(1);  // into the same registers, under dK^T's wgmma
+        issue_dq(1);  // under dK^T's wgmma
         wgmma_wait<1>();  // dK^T done: Q_i free
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) fence_regs(acc_dk[mt]);
         mbar_arrive(b.q_empty(s));
         wgmma_wait<0>();  // the second slice done: P^T, dS^T free
-        fence_regs(acc_dq);
-        hand_off_dq<T>(smem, consumer, warp, g, t, acc_dq);
+        if constexpr (kCols1 < T::kDQCols) {
+            fence_regs(acc_dq_narrow);
+            hand_off_dq<T, kCols1>(smem, consumer, warp, g, t, acc_dq_narrow);
+        } else {
+            fence_regs(acc_dq);
+            hand_off_dq<T>(smem, consumer, warp, g, t, acc_dq);
+        }
     }
 
     // dK (times softmax_scale) and dV through shared memory, where stmatrix transposes the fragments
@@ -843,9 +879,9 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-            for (int j0 = 0; j0 < kBlockN / 8; j0 += 2) {  // matrix i: key tile j0 + i / 2, columns 8 (i % 2) ..
-                const int col = col_wg + 64 * mt + 16 * warp + 8 * (i % 2);
-                const u32 offset = (8 * (j0 + i / 2) + r) * kRowBytes + col * 2;
+            for (int j0 = 0; j0 < kDKVKeys / 8; j0 += 2) {  // matrix i: key tile j0 + i / 2, columns 8 (i % 2) ..
+                const int col = col_dkv + 64 * mt + 16 * warp + 8 * (i % 2);
+                const u32 offset = (key_dkv + 8 * (j0 + i / 2) + r) * kRowBytes + col * 2;
                 const float* k4 = acc_dk[mt] + 4 * j0;
                 const float* v4 = acc_dv[mt] + 4 * j0;
                 const float sc = p.softmax_scale;

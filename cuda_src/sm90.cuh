@@ -249,6 +249,7 @@ struct Wgmma {
     }
     // A MN-major, B K-major, both in shared memory
     static FC_DEVICE void ss_tn(float (&d)[kRegs], u64 desc_a, u64 desc_b, int scale_d) {
+        FC_WGMMA_CASE(32, 16, FC_WGMMA_SS, 16, 17, 18, "1, 0")
         FC_WGMMA_CASE(48, 24, FC_WGMMA_SS, 24, 25, 26, "1, 0")
         FC_WGMMA_CASE(64, 32, FC_WGMMA_SS, 32, 33, 34, "1, 0")
         FC_WGMMA_CASE(80, 40, FC_WGMMA_SS, 40, 41, 42, "1, 0")

@@ -2,7 +2,7 @@
 a producer warpgroup (cuda_src/bwd_sm90.cu), compiled by NVRTC for sm_90a. The preprocess, the dQ
 conversion and the GQA group sum are the sm80 family's kernels (sm80.run_backward).
 
-It serves head dims 64, 96, 128 and 256 on compute capability 9.0, with every option of the forward
+It serves head dims 64, 96, 128, 192 and 256 on compute capability 9.0, with every option of the forward
 (masks, GQA, varlen, softcap, ALiBi, sinks) and the deterministic mode (each q block's dQ tiles added
 in key-block order, behind a semaphore); `unsupported` says why it leaves other problems to sm80.
 """
@@ -21,14 +21,14 @@ from .replay import Replay
 from .sm90_fwd import (ARCH, NVRTC_OPTIONS, SECTIONS_FROM_QUERIES, TMA_BYTES, HopperFamily, args_with_maps,
                        hopper_unsupported, pairs_in_l2, tensor_map_of, tile_cols)
 
-HEAD_DIMS = (64, 96, 128, 256)
+HEAD_DIMS = (64, 96, 128, 192, 256)
 # Keys per thread block: 128 (64 per consumer warpgroup, on the wgmma's M) up to head dim 128; 64 at
-# 256 (32 per consumer, on N), where dK^T and dV^T put the columns on M
-BLOCK_N = {64: 128, 96: 128, 128: 128, 256: 64}
+# 192 and 256 (32 per consumer, on N), where dK^T and dV^T put the columns on M
+BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 64, 256: 64}
 # Q stages by (head dim, queries per step): 3 at d=128 measured level with 2, 4 at d=64 and 64
-# queries 1-7% faster than 2; with 128 queries at d=64, 2 fill shared memory; at d=256 dO has one
-# stage of its own (Sm90BwdTraits::kStagesDO), elsewhere it shares Q's
-STAGES = {(64, 128): 2, (64, 64): 4, (96, 64): 2, (128, 64): 2, (128, 80): 2, (256, 64): 2}
+# queries 1-7% faster than 2; with 128 queries at d=64, 2 fill shared memory; at d=192 and 256 dO
+# has one stage of its own (Sm90BwdTraits::kStagesDO), elsewhere it shares Q's
+STAGES = {(64, 128): 2, (64, 64): 4, (96, 64): 2, (128, 64): 2, (128, 80): 2, (192, 64): 2, (256, 64): 2}
 THREADS = 128 * 3  # a producer and two consumer warpgroups
 ARGS_TMA_OFFSET = 512  # Sm90BwdArgs: BwdParams, then the q, k, v, dout, dq_accum tensor maps
 
@@ -61,7 +61,7 @@ def dq_rows(block: int) -> int:
 
 def smem_bytes(head_dim: int, block_m: int, stages: int) -> int:
     """K, V, stages x Q, dO's stages, 2 x dS^T (or twice P^T and dS^T), the dQ tile (float32, split
-    between the consumers; with keys on N one of its two column slices, handed off in turn),
+    between the consumers; with keys on N a 64-column slice each, handed off in turn),
     stages x (LSE, D), the mbarriers, 1024 bytes of alignment (Sm90BwdTraits); tiles of whole 64-column
     chunks (sm90_fwd.tile_cols)."""
     block_n, cols = BLOCK_N[head_dim], tile_cols(head_dim)
@@ -69,10 +69,10 @@ def smem_bytes(head_dim: int, block_m: int, stages: int) -> int:
     stages_do = 1 if keys_on_n else stages
     barriers = 1 + 2 * stages + (2 * stages_do if keys_on_n else 0)
     ds_buffers = 4 if keys_on_n else 2
-    dq_slices = 2 if keys_on_n else 1
+    dq_cols = 2 * 64 if keys_on_n else cols
     return (2 * block_n * cols * 2 + (stages + stages_do) * block_m * cols * 2
             + ds_buffers * block_n * block_m * 2
-            + block_m * cols * 4 // dq_slices + stages * 2 * block_m * 4 + barriers * 8 + 1024)
+            + block_m * dq_cols * 4 + stages * 2 * block_m * 4 + barriers * 8 + 1024)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def run_backward(q, k, v, causal, dtype_name, deterministic=False, softmax_scale
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen", SEQLENS)
 def test_equal_seqlens(dtype_name, head_dim, causal, seqlen):
@@ -67,7 +67,7 @@ def test_equal_seqlens(dtype_name, head_dim, causal, seqlen):
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", UNEQUAL)
 def test_unequal_seqlens(dtype_name, head_dim, causal, seqlen_q, seqlen_k):
@@ -77,7 +77,7 @@ def test_unequal_seqlens(dtype_name, head_dim, causal, seqlen_q, seqlen_k):
     run_backward(q, k, v, causal, dtype_name)
 
 
-@pytest.mark.parametrize("head_dim", [32, 96, 192])
+@pytest.mark.parametrize("head_dim", [32])
 @pytest.mark.parametrize("causal", [False, True])
 def test_other_head_dims(head_dim, causal):
     rng = np.random.default_rng(head_dim + causal)
@@ -94,7 +94,7 @@ def test_large_batch_heads_and_scale():
     run_backward(q, k, v, True, "float16", softmax_scale=0.3)
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 def test_sections_of_the_block_order(head_dim, backward_family, monkeypatch):
     """The sm90 backward's block order in sections narrower than the problem (the last one narrower
     still): every key block of every pair runs once, against the reference."""
@@ -148,7 +148,7 @@ def test_outputs_that_share_memory_refused_before_any_write():
     assert bool((q.astype(cupy.float32) == q_before.astype(cupy.float32)).all())
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gqa_sums_over_groups(causal, head_dim):
     rng = np.random.default_rng(6)
@@ -168,7 +168,7 @@ def test_causal_steps_on_both_sides_of_the_length_switch(seqlen_q, seqlen_k, det
     run_backward(q, k, v, True, "bfloat16", deterministic=deterministic)
 
 
-@pytest.mark.parametrize("head_dim, seqlen", [(64, 1500), (96, 1500), (128, 1500), (128, 2100), (256, 1500)])
+@pytest.mark.parametrize("head_dim, seqlen", [(64, 1500), (96, 1500), (128, 1500), (128, 2100), (192, 1500), (256, 1500)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_gives_identical_bits(causal, head_dim, seqlen):
     import cupy

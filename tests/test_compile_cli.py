@@ -16,11 +16,11 @@ from cli_helpers import FAKE_GPU, invoke, on_gpu
 # score mods, all of them kv-cache kernels too), sm90 (5 head dims x 2 dtypes x 3 masks x score mods
 # off/on, at d=256 the banded ones again with O in the Q buffer: 2 x 2 x 2, at d=64 the local and
 # causal ones in the two-consumer tile: 2 x 2 x 2, and at d=96 and 192 every one again in the short
-# rows' tile: 2 x 2 x 3 x 2) and sm80 (6 head dims ...), bwd sm90 (d=64, 96, 128, 256 with every option)
+# rows' tile: 2 x 2 x 3 x 2) and sm80 (6 head dims ...), bwd sm90 (d=64, 96, 128, 192, 256 with every option)
 # and sm80 (144 main + 36 helpers)
 DECODE_FWD_KERNELS = 72 + 72
 FWD_KERNELS = DECODE_FWD_KERNELS + 60 + 8 + 8 + 24 + 72
-BWD_KERNELS = 100 + 180  # sm90 (d=64, 96, 128, 256 x 2 dtypes x 3 masks x deterministic, score mods; the
+BWD_KERNELS = 124 + 180  # sm90 (d=64, 96, 128, 192, 256 x 2 dtypes x 3 masks x deterministic, score mods; the
 # causal d=128 step of short problems x 2 dtypes x deterministic), sm80 main + helpers
 # flash_attn_with_kvcache: decode and prefill kernels (6 head dims x 2 dtypes x 3 masks x score mods), the
 # decode kernel's Hopper tiles (d=96 and 128: 8 and 2 warps, each 2 x 3 x 2, the 4-warp small tile

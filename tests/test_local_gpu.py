@@ -27,7 +27,7 @@ CASES = [  # (seqlen_q, seqlen_k, causal, window_size, alignment)
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("seqlen_q,seqlen_k,causal,window_size,alignment", CASES)
 def test_forward_and_backward(dtype_name, head_dim, seqlen_q, seqlen_k, causal, window_size, alignment):
     import cupy

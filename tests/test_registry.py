@@ -32,7 +32,8 @@ def test_dispatch_takes_the_first_family_that_serves():
     assert isinstance(registry.select("fwd", sketch(), AMPERE), sm80.Sm80Forward)
     assert isinstance(registry.select("bwd", sketch(causal=True), HOPPER), sm90_bwd.Sm90Backward)
     assert isinstance(registry.select("bwd", sketch(96), HOPPER), sm90_bwd.Sm90Backward)
-    assert isinstance(registry.select("bwd", sketch(192), HOPPER), sm80.Sm80Backward)  # not an sm90 head dim
+    assert isinstance(registry.select("bwd", sketch(192), HOPPER), sm90_bwd.Sm90Backward)
+    assert isinstance(registry.select("bwd", sketch(32), HOPPER), sm80.Sm80Backward)  # not an sm90 head dim
     assert isinstance(registry.select("bwd", sketch(256), HOPPER), sm90_bwd.Sm90Backward)
     assert isinstance(registry.select("bwd", sketch(64), HOPPER), sm90_bwd.Sm90Backward)
     assert isinstance(registry.select("bwd", sketch(64), HOPPER, "sm90"), sm90_bwd.Sm90Backward)  # unless named

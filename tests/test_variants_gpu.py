@@ -35,7 +35,7 @@ MOD_CASES = [
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("case", MOD_CASES, ids=lambda c: "-".join(map(str, c)).replace(" ", ""))
 def test_softcap_alibi_sinks(dtype_name, head_dim, case):
     import cupy
@@ -124,7 +124,7 @@ VARLEN_CASES = [
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("lengths_q, lengths_k, options", VARLEN_CASES)
 def test_varlen(dtype_name, head_dim, gqa, lengths_q, lengths_k, options):
