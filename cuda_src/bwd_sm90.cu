@@ -24,13 +24,13 @@
 //     half of the queries; with 80 (no wgmma has an M of 80) half of the columns as
 //       dQ_i^T = K_j^T dS^T                             // dS stored untransposed (stmatrix .trans)
 // Keys on N (head dims 192 and 256, where 64 keys x all columns of dK and dV per consumer would
-// not fit in registers): kBlockN = 64 keys, kBlockM = 64; per q block each consumer
-//       S = Q_i K_c^T, dP = dO_i V_c^T                  // its 32 keys c, queries on M
-//       P, dS as above -> shared memory, transposed (stmatrix): P^T, dS^T [64 keys][64 queries]
+// not fit in registers): kBlockN = 96 keys at 192, 64 at 256, kBlockM = 64; per q block each consumer
+//       S = Q_i K_c^T, dP = dO_i V_c^T                  // its half c of the keys, queries on M
+//       P, dS as above -> shared memory, transposed (stmatrix): P^T, dS^T [kBlockN keys][64 queries]
 //       dV_j^T += dO_i^T P^T, dK_j^T += Q_i^T dS^T      // columns on M, operands in smem: at 256
 //                                                       // its 128 columns, all keys; at 192 all
-//                                                       // columns, its 32 keys
-//       dQ_i = dS K_j                                   // its half of the columns, all 64 keys, in
+//                                                       // columns, its 48 keys
+//       dQ_i = dS K_j                                   // its half of the columns, all keys, in
 //                                                       // two slices handed off in turn
 //     with one stage of dO, and P^T, dS^T in two buffers each, alternating (48 keys with the whole
 //     dQ tile at once read slower: docs/PERF_NOTES.md).
@@ -84,8 +84,8 @@ struct Sm90BwdTraits {
     // its half of the queries (kDQSplitRows) and all columns; with 80 (not a wgmma M), all of them and
     // half of the columns, computed transposed (kDQTransposed: dQ_i^T = K_j^T dS^T, queries on N).
     // Keys on N, a consumer's half of the columns goes in kDQSlices slices of at most 64, computed
-    // and handed off in turn through one tile (what 64 keys' K and V leave of shared memory holds one
-    // slice a consumer): at 256 its two chunks; at 192 a whole chunk (0 or 2), then its half of the
+    // and handed off in turn through one tile (what the keys' K and V leave of shared memory holds
+    // one slice a consumer): at 256 its two chunks; at 192 a whole chunk (0 or 2), then its half of the
     // middle one. At d = 96 each consumer takes a chunk's 64 columns, the second's last 32 past the
     // head dim (K's zeros) and not added (kDQColsLast). A wgmma's N-major B may start inside a chunk
     // but not run past its end.
@@ -130,9 +130,10 @@ struct Sm90BwdTraits {
     static_assert(kKeysOnN || kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64) || (kBlockM == 80 && kHeadDim == 128),
                   "keys on M: q blocks of 64, 128 at head dim 64 (S^T and dP^T take 64 registers each), 80 at 128");
     static_assert(kKeysOnN || kBlockN == 128, "keys on M: two consumer warpgroups of 64 keys");
-    static_assert(!kKeysOnN || ((kHeadDim == 192 || kHeadDim == 256) && kBlockM == 64 && kBlockN == 64),
-                  "keys on N: head dims 192 (dQ a chunk and a half per consumer) and 256, 64 queries (one "
-                  "wgmma M), 32 keys per consumer");
+    static_assert(!kKeysOnN || (((kHeadDim == 192 && kBlockN == 96) || (kHeadDim == 256 && kBlockN == 64)) &&
+                                kBlockM == 64),
+                  "keys on N: head dims 192 (48 keys per consumer; dQ a chunk and a half) and 256 (32 keys per "
+                  "consumer), 64 queries (one wgmma M)");
 };
 
 // The score-mod instances' P^T and a_p (the plain ones compute them in the kernel, where ptxas
@@ -699,7 +700,7 @@ struct Sm90ProbsKeysOnN {
     }
 };
 
-// Keys on N: a consumer's 32 keys of S and dP, its part of dK, dV, its half of dQ (see the top).
+// Keys on N: a consumer's half of the keys of S and dP, its part of dK, dV, its half of dQ (see the top).
 template <class T, bool Is_causal, bool Is_local, bool Is_bf16, bool Has_score_mod>
 FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, Is_causal, Is_local>& b,
                                       const ScoreMod& mod, int tid) {
@@ -867,11 +868,12 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
 
     // dK (times softmax_scale) and dV through shared memory, where stmatrix transposes the fragments
     // into rows of keys (kHeadDim columns, padded by 16 bytes: 8 rows' units fall in different
-    // banks); the Q and dO stages hold them once both consumers' last wgmmas have read Q and dO.
+    // banks); the Q and dO stages (and at 192 the P^T, dS^T buffers after them) hold them once both
+    // consumers' last wgmmas have read Q, dO, P^T and dS^T.
     constexpr int kRowBytes = kHeadDim * 2 + 16;
-    static_assert(T::kOffDO == T::kOffQ + kStages * T::kQBytes &&
-                      2 * kBlockN * kRowBytes <= (kStages + T::kStagesDO) * T::kQBytes,
-                  "dK, dV staged in the Q and dO stages");
+    static_assert(T::kOffDO == T::kOffQ + kStages * T::kQBytes && T::kOffDS == T::kOffDO + T::kStagesDO * T::kQBytes &&
+                      2 * kBlockN * kRowBytes <= T::kOffDQ - T::kOffQ,
+                  "dK, dV staged in the Q, dO and P^T, dS^T buffers");
     const u32 sdK = in_place(smem_u32(b.smem_ptr)) + T::kOffQ, sdV = sdK + kBlockN * kRowBytes;
     named_bar_sync(T::kBarDS, T::kConsumers);
     {

@@ -230,6 +230,7 @@ struct Wgmma {
     static FC_DEVICE void ss(float (&d)[kRegs], u64 desc_a, u64 desc_b, int scale_d) {
         FC_WGMMA_CASE(24, 12, FC_WGMMA_SS, 12, 13, 14, "0, 0")
         FC_WGMMA_CASE(32, 16, FC_WGMMA_SS, 16, 17, 18, "0, 0")
+        FC_WGMMA_CASE(48, 24, FC_WGMMA_SS, 24, 25, 26, "0, 0")
         FC_WGMMA_CASE(64, 32, FC_WGMMA_SS, 32, 33, 34, "0, 0")
         FC_WGMMA_CASE(80, 40, FC_WGMMA_SS, 40, 41, 42, "0, 0")
         FC_WGMMA_CASE(96, 48, FC_WGMMA_SS, 48, 49, 50, "0, 0")

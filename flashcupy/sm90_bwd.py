@@ -22,9 +22,9 @@ from .sm90_fwd import (ARCH, NVRTC_OPTIONS, SECTIONS_FROM_QUERIES, TMA_BYTES, Ho
                        hopper_unsupported, pairs_in_l2, tensor_map_of, tile_cols)
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
-# Keys per thread block: 128 (64 per consumer warpgroup, on the wgmma's M) up to head dim 128; 64 at
-# 192 and 256 (32 per consumer, on N), where dK^T and dV^T put the columns on M
-BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 64, 256: 64}
+# Keys per thread block: 128 (64 per consumer warpgroup, on the wgmma's M) up to head dim 128; with
+# dK^T and dV^T's columns on M, 96 at 192 (48 per consumer, on N) and 64 at 256
+BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 96, 256: 64}
 # Q stages by (head dim, queries per step): 3 at d=128 measured level with 2, 4 at d=64 and 64
 # queries 1-7% faster than 2; with 128 queries at d=64, 2 fill shared memory; at d=192 and 256 dO
 # has one stage of its own (Sm90BwdTraits::kStagesDO), elsewhere it shares Q's
