@@ -32,8 +32,8 @@
 //                                                       // columns, its 48 keys
 //       dQ_i = dS K_j                                   // its half of the columns, all keys, in
 //                                                       // two slices handed off in turn
-//     with one stage of dO, and P^T, dS^T in two buffers each, alternating (48 keys with the whole
-//     dQ tile at once read slower: docs/PERF_NOTES.md).
+//     with one stage of dO, and P^T, dS^T in two buffers each, alternating (at 256, 48 keys with the
+//     whole dQ tile at once read slower: docs/PERF_NOTES.md).
 // Then dK_j *= softmax_scale; dK_j, dV_j to memory.
 // Has_score_mod instances take the raw scores to natural units before P and fold the softcap's
 // derivative into dS; Is_deterministic ones add each q block's dQ tiles in a fixed key-block order

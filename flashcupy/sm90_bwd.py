@@ -41,8 +41,8 @@ CAUSAL_80_FROM_QUERIES = 2048
 def block_m(head_dim: int, score_mod: bool, mask: str = "none", seqlen_q: int | None = None) -> int:
     """Queries per step: 128 at head dim 64, where S^T and dP^T take 64 registers each; 80 at 128
     without a mask, and under a causal one from CAUSAL_80_FROM_QUERIES (seqlen_q None: a long
-    problem); 64 at 128 otherwise (a 1024-key window measured 2-3% slower with 80), at 96 and 256,
-    and with a score mod, whose registers do not fit beside them."""
+    problem); 64 at 128 otherwise (a 1024-key window measured 2-3% slower with 80), at 96, 192 and
+    256, and with a score mod, whose registers do not fit beside them."""
     if score_mod:
         return 64
     if head_dim == 64:

@@ -147,12 +147,14 @@ def test_backward_args_layout():
     (128, "causal", False, None, 80, 128, 80), (128, "causal", False, 2048, 80, 128, 80),
     (128, "causal", False, 2047, 64, 128, 64), (128, "causal", True, 4096, 64, 128, 64),
     (128, "local", False, None, 64, 128, 64), (128, "none", False, 1, 80, 128, 80), (128, "none", True, None, 64, 128, 64),
+    (96, "causal", False, None, 64, 128, 64), (96, "none", True, None, 64, 128, 64),
+    (192, "none", False, None, 64, 96, 64), (192, "local", True, 100, 64, 96, 64),
     (256, "none", False, None, 64, 64, 64), (256, "causal", True, None, 64, 64, 64)])
 def test_backward_tiles(head_dim, mask, score_mod, seqlen_q, block_m, block_n, dq_rows):
     """The sm90 backward's queries per step (its kernel template's kBlockM, the semaphores' q block
     and the Q/dO boxes): 128 at head dim 64 unless a score mod needs the registers, 80 at 128 without
     a mask or score mod and under a causal one from 2048 queries (None: a long problem); its keys per
-    block (kBlockN, the K/V boxes, the grid): 64 at head dim 256; the rows of dq_accum's box
+    block (kBlockN, the K/V boxes, the grid): 96 at head dim 192, 64 at 256; the rows of dq_accum's box
     (kDQRows): 80 where the step's queries are not a multiple of 64; every variant fits the
     H100/H200's 227 KiB of shared memory per block."""
     from flashcupy import sm90_bwd
