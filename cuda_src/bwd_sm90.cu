@@ -105,6 +105,18 @@ struct Sm90BwdTraits {
         return !kKeysOnN ? (c + 1 == kConsumerWGs ? kDQColsLast : kDQCols)
                          : kDKVSplitKeys && sl == 1 ? kChunk / 2 : kDQCols;
     }
+    // the slices hand off each column of a dQ row once (with kDQSplitRows, each consumer's rows)
+    static FC_DEVICE constexpr bool dq_columns_once() {
+        u64 seen[4] = {};
+        int count = 0;
+        for (int c = 0; c < (kDQSplitRows ? 1 : kConsumerWGs); ++c)
+            for (int sl = 0; sl < kDQSlices; ++sl)
+                for (int col = dq_col0(c, sl); col < dq_col0(c, sl) + dq_cols(c, sl); ++col, ++count) {
+                    if (col < 0 || col >= kHeadDim || (seen[col / 64] >> (col % 64) & 1)) return false;
+                    seen[col / 64] |= u64(1) << (col % 64);
+                }
+        return count == kHeadDim;
+    }
     static constexpr int kDQPartCols = 32, kDQParts = kDQCols / kDQPartCols;
     static constexpr int kDQPartBytes = kDQRows * kDQPartCols * 4, kDQBytes = kDQParts * kDQPartBytes;
     static constexpr int kOffV = kKVBytes;
@@ -904,6 +916,7 @@ template <int kHeadDim, int kBlockM, int kBlockN, int kStages, bool Is_causal, b
 __global__ void __launch_bounds__(Sm90BwdTraits<kHeadDim, kBlockM, kBlockN, kStages>::kThreads, 1)
 flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
     using T = Sm90BwdTraits<kHeadDim, kBlockM, kBlockN, kStages>;
+    static_assert(T::dq_columns_once(), "the dQ slices cover the head dim, each column once");
     const BwdParams& p = args.p;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const u32 smem = (smem_u32(smem_raw) + 1023) & ~1023u;
