@@ -803,21 +803,24 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
         fence_proxy_async_shared();  // P^T, dS^T visible to the wgmmas (async proxy)
         named_bar_sync(T::kBarDS, T::kConsumers);
 
-        // dV^T += dO_i^T P^T: A dO_i's 64-column chunk (M-major: 16 queries 2048 bytes apart), B P^T
-        // (K-major: 16 queries 32 bytes apart)
+        // dV^T += dO_i^T P^T and dK^T += Q_i^T dS^T: A dO_i's or Q_i's 64-column chunks (M-major: 16
+        // queries 2048 bytes apart), B P^T or dS^T (K-major: 16 queries 32 bytes apart)
+        auto issue_dkv = [&](float (&acc)[kMT][kDKVKeys / 2], u64 desc_cols, u64 desc_keys) {
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) fence_regs(acc_dv[mt]);
-        wgmma_fence();
+            for (int mt = 0; mt < kMT; ++mt) fence_regs(acc[mt]);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kBlockM / 16; ++kk)
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt)
+                    Wgmma<kDKVKeys, Is_bf16>::ss_tn(acc[mt], gmma_desc_advance(desc_cols, mt * kBlockM * 128 + kk * 2048),
+                                                    gmma_desc_advance(desc_keys, kk * 32), 1);
+            wgmma_commit();
+        };
         const u64 desc_pt = gmma_desc(sPT + key_dkv * 128, 16, 1024), desc_dst = gmma_desc(sdST + key_dkv * 128, 16, 1024);
         const u64 desc_do_m = gmma_desc(sdO_s + (col_dkv / 64) * kBlockM * 128, kBlockM * 128, 1024);
         const u64 desc_q_m = gmma_desc(sQ_s + (col_dkv / 64) * kBlockM * 128, kBlockM * 128, 1024);
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-                Wgmma<kDKVKeys, Is_bf16>::ss_tn(acc_dv[mt], gmma_desc_advance(desc_do_m, mt * kBlockM * 128 + kk * 2048),
-                                                gmma_desc_advance(desc_pt, kk * 32), 1);
-        wgmma_commit();
+        issue_dkv(acc_dv, desc_do_m, desc_pt);
         // dQ_i = dS K_j over a slice of its columns: A dS^T (M-major: 16 keys 2048 bytes apart), B K
         // (N-major, the slice's columns of a 64-column chunk)
         const u64 desc_ds = gmma_desc(sdST, kBlockN * 128, 1024);
@@ -844,17 +847,7 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
         static_assert(T::kDQSlices == 2 && T::kDQCols == 64 && T::dq_cols(0, 0) == 64,
                       "keys on N: dQ in two slices, the first of 64 columns");
         issue_dq(0);
-        // dK^T += Q_i^T dS^T, as dV^T
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) fence_regs(acc_dk[mt]);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-                Wgmma<kDKVKeys, Is_bf16>::ss_tn(acc_dk[mt], gmma_desc_advance(desc_q_m, mt * kBlockM * 128 + kk * 2048),
-                                                gmma_desc_advance(desc_dst, kk * 32), 1);
-        wgmma_commit();
+        issue_dkv(acc_dk, desc_q_m, desc_dst);
         wgmma_wait<2>();  // dV^T done: dO_i free
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) fence_regs(acc_dv[mt]);
