@@ -113,9 +113,15 @@ def tile_cols(head_dim: int) -> int:
     return -(-head_dim // chunk) * chunk
 
 
+def tile_bytes(head_dim: int, tile: Sm90FwdTile) -> tuple[int, int]:
+    """Bytes of one Q (or O) tile and of one K or V tile in shared memory (Sm90FwdTraits::kQBytes,
+    kKVBytes)."""
+    return tile.block_m * tile_cols(head_dim) * 2, tile.block_n * tile_cols(head_dim) * 2
+
+
 def q_slots(head_dim: int, tile: Sm90FwdTile) -> int:
     """Q buffers: two where they fit beside the K/V stages (Sm90FwdTraits::kQSlots)."""
-    q, kv = tile.block_m * tile_cols(head_dim) * 2, tile.block_n * tile_cols(head_dim) * 2
+    q, kv = tile_bytes(head_dim, tile)
     return 2 if 2 * q + 2 * tile.stages * kv + 2048 <= MAX_SMEM else 1
 
 
@@ -123,7 +129,7 @@ def o_buffer(head_dim: int, tile: Sm90FwdTile, in_q: bool = True) -> str:
     """Where O's tile is staged for its TMA stores (Sm90FwdTraits::kOOwnBuffer and kOInQ): "own"
     where it fits beside the Q buffers and the K/V stages; else "q", in the one Q buffer, if `in_q`
     (the variant's o_in_q); else "" (each thread stores its fragments)."""
-    q, kv = tile.block_m * tile_cols(head_dim) * 2, tile.block_n * tile_cols(head_dim) * 2
+    q, kv = tile_bytes(head_dim, tile)
     slots = q_slots(head_dim, tile)
     if slots * q + 2 * tile.stages * kv + q + 2048 <= MAX_SMEM:
         return "own"
@@ -153,8 +159,7 @@ def stages_o_in_q(head_dim: int, tile: Sm90FwdTile, mask: str, keys_per_row: int
 def smem_bytes(head_dim: int, tile: Sm90FwdTile) -> int:
     """The Q buffers, stages x (K, V), O's tile where it has its own buffer, the mbarriers, the tile slots,
     and 1024 bytes to align the swizzled tiles (Sm90FwdTraits in fwd_sm90.cu)."""
-    q = tile.block_m * tile_cols(head_dim) * 2
-    kv = tile.block_n * tile_cols(head_dim) * 2
+    q, kv = tile_bytes(head_dim, tile)
     slots = q_slots(head_dim, tile)
     barriers = 4 * tile.stages + 2 * slots + 2 * TILE_SLOTS
     o = q if o_buffer(head_dim, tile) == "own" else 0
