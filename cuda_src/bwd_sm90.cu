@@ -772,10 +772,11 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
             }
             wgmma_commit();
         };
+        // S as soon as Q_i lands: dO has one stage, loaded once the last step's dV^T had read it
         mbar_wait(b.q_full(s), (it / kStages) & 1);
-        mbar_wait(b.do_full(sd), (it / T::kStagesDO) & 1);
         wgmma_fence();
         issue_ss(acc_s, gmma_desc(sQ_s, 16, 1024), gmma_desc(in_place(sK + key_wg * 128), 16, 1024));
+        mbar_wait(b.do_full(sd), (it / T::kStagesDO) & 1);
         issue_ss(acc_dp, gmma_desc(sdO_s, 16, 1024), gmma_desc(in_place(sV + key_wg * 128), 16, 1024));
         const float* lse_s = b.lse_stage(s);
         const float lse[2] = {lse_s[row], lse_s[row + 8]};
