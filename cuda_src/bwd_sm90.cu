@@ -57,6 +57,9 @@ template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_>
 struct Sm90BwdTraits {
     static constexpr int kHeadDim = kHeadDim_, kBlockM = kBlockM_, kBlockN = kBlockN_, kStages = kStages_;
     static constexpr bool kKeysOnN = kHeadDim > 128;  // the consumers' arrangement (above)
+    // Keys on N, dK^T and dV^T over all columns and each consumer's keys where half of the columns
+    // is not whole 64-column m tiles (192)
+    static constexpr bool kDKVSplitKeys = kKeysOnN && (kHeadDim / 2) % 64 != 0;
     static constexpr int kStagesDO = kKeysOnN ? 1 : kStages;
     static constexpr int kConsumerWGs = 2;
     static constexpr int kThreads = 128 * (1 + kConsumerWGs), kConsumers = 128 * kConsumerWGs;
@@ -72,11 +75,13 @@ struct Sm90BwdTraits {
     static constexpr int kKVBytes = kBlockN * kTileCols * 2;  // K or V
     static constexpr int kQBytes = kBlockM * kTileCols * 2;   // Q or dO, one stage
     static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // dS^T, dS or P^T, one buffer (layouts above)
-    static constexpr int kDSBuffers = kKeysOnN ? 4 : 2;       // keys on N, P^T and dS^T twice
+    // keys on N, P^T and dS^T: twice at 256 (alternating by q block), once at 192 (the room
+    // holds the second dQ slices, kDQSlicesApart)
+    static constexpr int kDSBuffers = kKeysOnN && !kDKVSplitKeys ? 4 : 2;
+    static constexpr int kPdSPairs = kKeysOnN ? kDSBuffers / 2 : 0;
     // Keys on N: a consumer's keys of S and dP; its part of dK^T and dV^T: half of the columns over
     // all keys where the half is whole 64-column m tiles (256), else all columns over its keys (192)
     static constexpr int kWGKeys = kBlockN / kConsumerWGs;
-    static constexpr bool kDKVSplitKeys = kKeysOnN && (kHeadDim / kConsumerWGs) % 64 != 0;
     static constexpr int kDKVCols = kDKVSplitKeys ? kHeadDim : kHeadDim / kConsumerWGs;
     static constexpr int kDKVKeys = kDKVSplitKeys ? kWGKeys : kBlockN;
     // dQ_i: each consumer a kDQRows x kDQCols tile over all the block's keys, staged as float32 in
@@ -118,7 +123,11 @@ struct Sm90BwdTraits {
         return count == kHeadDim;
     }
     static constexpr int kDQPartCols = 32, kDQParts = kDQCols / kDQPartCols;
-    static constexpr int kDQPartBytes = kDQRows * kDQPartCols * 4, kDQBytes = kDQParts * kDQPartBytes;
+    // At 192 the slices have places of their own in the consumer's tile, so the second is stored
+    // without waiting for the first's reduction to have read it (a barrier per slice to warp 3)
+    static constexpr bool kDQSlicesApart = kDKVSplitKeys;
+    static constexpr int kDQPartBytes = kDQRows * kDQPartCols * 4;
+    static constexpr int kDQBytes = (kDQSlicesApart ? (kChunk + kChunk / 2) / kDQPartCols : kDQParts) * kDQPartBytes;
     static constexpr int kOffV = kKVBytes;
     static constexpr int kOffQ = 2 * kKVBytes;
     static constexpr int kOffDO = kOffQ + kStages * kQBytes;
@@ -135,8 +144,15 @@ struct Sm90BwdTraits {
     static constexpr int kStageLoaders = 64;  // producer threads that copy a stage's LSE and D
     static constexpr int kSmemBytes = kOffBar + kBarriers * 8 + 1024;
     // Named barriers: dS^T written (both consumers read all of it), then per consumer its dQ tile
-    // written (to warp 3) and read (from warp 3).
-    static constexpr int kBarDS = 1, kBarDQFull = 2, kBarDQEmpty = 4, kDQHandoff = 128 + 32;
+    // written (to warp 3; with kDQSlicesApart, per slice) and read (from warp 3); with one P^T, dS^T
+    // pair, both consumers past the last q block's wgmmas (they read it).
+    static constexpr int kBarDS = 1, kBarDQFull = 2, kBarDQEmpty = 4, kBarPdSFree = 6, kBarDQFullLast = 7;
+    static constexpr int kDQHandoff = 128 + 32;
+    // consumer c's slice sl: its place in the consumer's dQ tile, the barrier that hands it to warp 3
+    static FC_DEVICE constexpr int dq_slice_offset(int sl) { return kDQSlicesApart ? sl * kDQParts * kDQPartBytes : 0; }
+    static FC_DEVICE constexpr int dq_full_bar(int c, int sl) {
+        return (kDQSlicesApart && sl == 1 ? kBarDQFullLast : kBarDQFull) + c;
+    }
     static_assert(kKeysOnN || kHeadDim == 64 || kHeadDim == 128 || (kHeadDim == 96 && kBlockM == 64),
                   "keys on M: head dims 64, 96 and 128 (dQ: 64 x 32, 64 and 32, or 64 x 64 per warpgroup)");
     static_assert(kKeysOnN || kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64) || (kBlockM == 80 && kHeadDim == 128),
@@ -321,9 +337,9 @@ FC_DEVICE void bwd_producer(const Sm90BwdArgs& args, const Sm90BwdBlock<T, Is_ca
             for (int sl = 0; sl < T::kDQSlices; ++sl) {
 #pragma unroll
                 for (int c = 0; c < T::kConsumerWGs; ++c) {
-                    named_bar_sync(T::kBarDQFull + c, T::kDQHandoff);
+                    named_bar_sync(T::dq_full_bar(c, sl), T::kDQHandoff);
                     if (lane == 0) {
-                        const u32 tile = b.smem + T::kOffDQ + c * T::kDQBytes;
+                        const u32 tile = b.smem + T::kOffDQ + c * T::kDQBytes + T::dq_slice_offset(sl);
 #pragma unroll
                         for (int h = 0; h < T::dq_cols(c, sl) / T::kDQPartCols; ++h)
                             tma_reduce_add_4d(&args.dq_accum, tile + h * T::kDQPartBytes,
@@ -336,7 +352,7 @@ FC_DEVICE void bwd_producer(const Sm90BwdArgs& args, const Sm90BwdBlock<T, Is_ca
                     bulk_wait<0>();  // added, not only read
                     st_release(sems + m_block, n_rank + 1);
                 }
-                if (it + 1 < b.m_count || sl + 1 < T::kDQSlices) {
+                if ((it + 1 < b.m_count || sl + 1 < T::kDQSlices) && (!T::kDQSlicesApart || sl + 1 == T::kDQSlices)) {
                     if (lane == 0) bulk_wait_read<0>();
                     __syncwarp();
 #pragma unroll
@@ -376,13 +392,14 @@ FC_DEVICE void hand_off_dq_transposed(u32 smem, int consumer, int warp, int g, i
     named_bar_arrive(T::kBarDQFull + consumer, T::kDQHandoff);
 }
 
-template <class T, int kCols = T::kDQCols, int kRegs>
+template <class T, int kCols = T::kDQCols, int kSlice = 0, int kRegs>
 FC_DEVICE void hand_off_dq(u32 smem, int consumer, int warp, int g, int t, const float (&acc_dq)[kRegs]) {
     static_assert(2 * kRegs >= kCols, "a dQ fragment of kCols columns");
     const bool odd = g & 1;
-    const u32 dq_row = in_place(smem + T::kOffDQ + consumer * T::kDQBytes + (16 * warp + g) * 128 +
-                                (((((t >> 1) ^ g) << 4) + 8 * (t & 1)) ^ (odd << 6)));
-    named_bar_sync(T::kBarDQEmpty + consumer, T::kDQHandoff);
+    const u32 dq_row = in_place(smem + T::kOffDQ + consumer * T::kDQBytes + T::dq_slice_offset(kSlice) +
+                                (16 * warp + g) * 128 + (((((t >> 1) ^ g) << 4) + 8 * (t & 1)) ^ (odd << 6)));
+    // slices apart: the first slice's wait covers the step's tile
+    if (kSlice == 0 || !T::kDQSlicesApart) named_bar_sync(T::kBarDQEmpty + consumer, T::kDQHandoff);
 #pragma unroll
     for (int nt = 0; nt < kCols / 8; ++nt)
 #pragma unroll
@@ -392,7 +409,7 @@ FC_DEVICE void hand_off_dq(u32 smem, int consumer, int warp, int g, int t, const
                             odd ? acc_dq[odd_i] : acc_dq[even_i], odd ? acc_dq[odd_i + 1] : acc_dq[even_i + 1]);
         }
     fence_proxy_async_shared();  // visible to the TMA reduction
-    named_bar_arrive(T::kBarDQFull + consumer, T::kDQHandoff);
+    named_bar_arrive(T::dq_full_bar(consumer, kSlice), T::kDQHandoff);
 }
 
 // dK and dV from their rows staged at the Q stages (kBlockN rows of dK, then as many of dV,
@@ -790,9 +807,11 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
             seqlen_q, seqlen_k, needs_mask};
         if constexpr (Has_score_mod) mod.dispatch(probs);
         else probs.template run<false, false>();
-        // P^T and dS^T alternate between two buffers: the other consumer read this pair two q
-        // blocks ago, and has waited for its wgmmas (wgmma_wait<0>) before the last kBarDS
-        const u32 sPT = smem + T::kOffDS + (it & 1) * 2 * T::kDSBytes, sdST = sPT + T::kDSBytes;
+        // Two P^T, dS^T pairs alternate: the other consumer read this one two q blocks ago, and has
+        // waited for its wgmmas (wgmma_wait<0>) before the last kBarDS. One pair: both consumers
+        // meet first, each past the last q block's wgmmas.
+        const u32 sPT = smem + T::kOffDS + (it % T::kPdSPairs) * 2 * T::kDSBytes, sdST = sPT + T::kDSBytes;
+        if constexpr (T::kPdSPairs == 1) named_bar_sync(T::kBarPdSFree, T::kConsumers);
         store_transposed(sPT, acc_s);
         wgmma_wait<0>();  // dP done
         fence_regs(acc_dp);
@@ -865,10 +884,10 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
         wgmma_wait<0>();  // the second slice done: P^T, dS^T free
         if constexpr (kCols1 < T::kDQCols) {
             fence_regs(acc_dq_narrow);
-            hand_off_dq<T, kCols1>(smem, consumer, warp, g, t, acc_dq_narrow);
+            hand_off_dq<T, kCols1, 1>(smem, consumer, warp, g, t, acc_dq_narrow);
         } else {
             fence_regs(acc_dq);
-            hand_off_dq<T>(smem, consumer, warp, g, t, acc_dq);
+            hand_off_dq<T, T::kDQCols, 1>(smem, consumer, warp, g, t, acc_dq);
         }
     }
 
