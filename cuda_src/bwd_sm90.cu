@@ -123,9 +123,12 @@ struct Sm90BwdTraits {
         return count == kHeadDim;
     }
     static constexpr int kDQPartCols = 32, kDQParts = kDQCols / kDQPartCols;
-    // At 192 the slices have places of their own in the consumer's tile, so the second is stored
-    // without waiting for the first's reduction to have read it (a barrier per slice to warp 3)
-    static constexpr bool kDQSlicesApart = kDKVSplitKeys;
+    // The second slice has a place of its own, so that it is stored without waiting for the first's
+    // reduction to have read the tile (a barrier per slice to warp 3): at 192 in the consumer's dQ
+    // tile (kDQSlicesApart); at 256 in the consumer's half of the Q stage (kDQSecondInQ), its 128
+    // columns, which only its own dK^T reads, free once that is done; warp 3 then releases the
+    // stage, once it has read the slice.
+    static constexpr bool kDQSlicesApart = kDKVSplitKeys, kDQSecondInQ = kKeysOnN && !kDKVSplitKeys;
     static constexpr int kDQPartBytes = kDQRows * kDQPartCols * 4;
     static constexpr int kDQBytes = (kDQSlicesApart ? (kChunk + kChunk / 2) / kDQPartCols : kDQParts) * kDQPartBytes;
     static constexpr int kOffV = kKVBytes;
@@ -144,15 +147,17 @@ struct Sm90BwdTraits {
     static constexpr int kStageLoaders = 64;  // producer threads that copy a stage's LSE and D
     static constexpr int kSmemBytes = kOffBar + kBarriers * 8 + 1024;
     // Named barriers: dS^T written (both consumers read all of it), then per consumer its dQ tile
-    // written (to warp 3; with kDQSlicesApart, per slice) and read (from warp 3); with one P^T, dS^T
-    // pair, both consumers past the last q block's wgmmas (they read it).
+    // written (to warp 3; keys on N, per slice) and read (from warp 3); with one P^T, dS^T pair,
+    // both consumers past the last q block's wgmmas (they read it).
     static constexpr int kBarDS = 1, kBarDQFull = 2, kBarDQEmpty = 4, kBarPdSFree = 6, kBarDQFullLast = 7;
     static constexpr int kDQHandoff = 128 + 32;
-    // consumer c's slice sl: its place in the consumer's dQ tile, the barrier that hands it to warp 3
-    static FC_DEVICE constexpr int dq_slice_offset(int sl) { return kDQSlicesApart ? sl * kDQParts * kDQPartBytes : 0; }
-    static FC_DEVICE constexpr int dq_full_bar(int c, int sl) {
-        return (kDQSlicesApart && sl == 1 ? kBarDQFullLast : kBarDQFull) + c;
+    // consumer c's slice sl of the q block in Q stage `stage`: its place in shared memory, the
+    // barrier that hands it to warp 3
+    static FC_DEVICE constexpr int dq_place(int c, int sl, int stage) {
+        return kDQSecondInQ && sl == 1 ? kOffQ + stage * kQBytes + c * (kQBytes / 2)
+                                       : kOffDQ + c * kDQBytes + (kDQSlicesApart ? sl * kDQParts * kDQPartBytes : 0);
     }
+    static FC_DEVICE constexpr int dq_full_bar(int c, int sl) { return (sl == 1 ? kBarDQFullLast : kBarDQFull) + c; }
     static_assert(kKeysOnN || kHeadDim == 64 || kHeadDim == 128 || (kHeadDim == 96 && kBlockM == 64),
                   "keys on M: head dims 64, 96 and 128 (dQ: 64 x 32, 64 and 32, or 64 x 64 per warpgroup)");
     static_assert(kKeysOnN || kBlockM == 64 || (kBlockM == 128 && kHeadDim == 64) || (kBlockM == 80 && kHeadDim == 128),
@@ -339,7 +344,7 @@ FC_DEVICE void bwd_producer(const Sm90BwdArgs& args, const Sm90BwdBlock<T, Is_ca
                 for (int c = 0; c < T::kConsumerWGs; ++c) {
                     named_bar_sync(T::dq_full_bar(c, sl), T::kDQHandoff);
                     if (lane == 0) {
-                        const u32 tile = b.smem + T::kOffDQ + c * T::kDQBytes + T::dq_slice_offset(sl);
+                        const u32 tile = b.smem + T::dq_place(c, sl, it % kStages);
 #pragma unroll
                         for (int h = 0; h < T::dq_cols(c, sl) / T::kDQPartCols; ++h)
                             tma_reduce_add_4d(&args.dq_accum, tile + h * T::kDQPartBytes,
@@ -352,11 +357,18 @@ FC_DEVICE void bwd_producer(const Sm90BwdArgs& args, const Sm90BwdBlock<T, Is_ca
                     bulk_wait<0>();  // added, not only read
                     st_release(sems + m_block, n_rank + 1);
                 }
-                if ((it + 1 < b.m_count || sl + 1 < T::kDQSlices) && (!T::kDQSlicesApart || sl + 1 == T::kDQSlices)) {
+                // the dQ tiles free once read (at 192 after both slices; at 256 the second slice is
+                // in the Q stage, which is freed here instead of by the consumers)
+                const bool tile_read = T::kDQSlicesApart ? sl + 1 == T::kDQSlices : sl == 0;
+                if (tile_read && it + 1 < b.m_count) {
                     if (lane == 0) bulk_wait_read<0>();
                     __syncwarp();
 #pragma unroll
                     for (int c = 0; c < T::kConsumerWGs; ++c) named_bar_arrive(T::kBarDQEmpty + c, T::kDQHandoff);
+                }
+                if (T::kDQSecondInQ && sl == 1 && lane == 0) {
+                    bulk_wait_read<0>();
+                    mbar_arrive(b.q_empty(it % kStages));
                 }
             }
         }
@@ -393,13 +405,14 @@ FC_DEVICE void hand_off_dq_transposed(u32 smem, int consumer, int warp, int g, i
 }
 
 template <class T, int kCols = T::kDQCols, int kSlice = 0, int kRegs>
-FC_DEVICE void hand_off_dq(u32 smem, int consumer, int warp, int g, int t, const float (&acc_dq)[kRegs]) {
+FC_DEVICE void hand_off_dq(u32 smem, int consumer, int warp, int g, int t, const float (&acc_dq)[kRegs],
+                           int stage = 0) {
     static_assert(2 * kRegs >= kCols, "a dQ fragment of kCols columns");
     const bool odd = g & 1;
-    const u32 dq_row = in_place(smem + T::kOffDQ + consumer * T::kDQBytes + T::dq_slice_offset(kSlice) +
-                                (16 * warp + g) * 128 + (((((t >> 1) ^ g) << 4) + 8 * (t & 1)) ^ (odd << 6)));
-    // slices apart: the first slice's wait covers the step's tile
-    if (kSlice == 0 || !T::kDQSlicesApart) named_bar_sync(T::kBarDQEmpty + consumer, T::kDQHandoff);
+    const u32 dq_row = in_place(smem + T::dq_place(consumer, kSlice, stage) + (16 * warp + g) * 128 +
+                                (((((t >> 1) ^ g) << 4) + 8 * (t & 1)) ^ (odd << 6)));
+    // the second slice's place is free by then (dq_place)
+    if (kSlice == 0) named_bar_sync(T::kBarDQEmpty + consumer, T::kDQHandoff);
 #pragma unroll
     for (int nt = 0; nt < kCols / 8; ++nt)
 #pragma unroll
@@ -877,17 +890,17 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
         hand_off_dq<T>(smem, consumer, warp, g, t, acc_dq);
         wgmma_fence();
         issue_dq(1);  // under dK^T's wgmma
-        wgmma_wait<1>();  // dK^T done: Q_i free
+        wgmma_wait<1>();  // dK^T done: Q_i free (at 256 once warp 3 has read the second slice there)
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) fence_regs(acc_dk[mt]);
-        mbar_arrive(b.q_empty(s));
+        if constexpr (!T::kDQSecondInQ) mbar_arrive(b.q_empty(s));
         wgmma_wait<0>();  // the second slice done: P^T, dS^T free
         if constexpr (kCols1 < T::kDQCols) {
             fence_regs(acc_dq_narrow);
             hand_off_dq<T, kCols1, 1>(smem, consumer, warp, g, t, acc_dq_narrow);
         } else {
             fence_regs(acc_dq);
-            hand_off_dq<T, T::kDQCols, 1>(smem, consumer, warp, g, t, acc_dq);
+            hand_off_dq<T, T::kDQCols, 1>(smem, consumer, warp, g, t, acc_dq, s);
         }
     }
 
@@ -900,6 +913,8 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
                       2 * kBlockN * kRowBytes <= T::kOffDQ - T::kOffQ,
                   "dK, dV staged in the Q, dO and P^T, dS^T buffers");
     const u32 sdK = in_place(smem_u32(b.smem_ptr)) + T::kOffQ, sdV = sdK + kBlockN * kRowBytes;
+    if constexpr (T::kDQSecondInQ)  // the last q blocks' second dQ slices read from the Q stages
+        for (int it = max(0, m_count - kStages); it < m_count; ++it) mbar_wait(b.q_empty(it % kStages), (it / kStages) & 1);
     named_bar_sync(T::kBarDS, T::kConsumers);
     {
         const int i = lane / 8, r = lane % 8;
@@ -939,7 +954,7 @@ flash_bwd_sm90_kernel(const __grid_constant__ Sm90BwdArgs args) {
         mbar_init(bar, 1);  // K, V full
         for (int s = 0; s < kStages; ++s) {
             mbar_init(bar + 8 * (T::kMbarQFull + s), 1 + T::kStageLoaders);
-            mbar_init(bar + 8 * (T::kMbarQEmpty + s), T::kConsumers);
+            mbar_init(bar + 8 * (T::kMbarQEmpty + s), T::kDQSecondInQ ? 1 : T::kConsumers);  // the consumers, or warp 3
         }
         for (int s = 0; s < (T::kKeysOnN ? T::kStagesDO : 0); ++s) {
             mbar_init(bar + 8 * (T::kMbarDOFull + s), 1);
