@@ -31,18 +31,19 @@
 //                                                       // its 128 columns, all keys; at 192 all
 //                                                       // columns, its 48 keys
 //       dQ_i = dS K_j                                   // its half of the columns, all keys, in
-//                                                       // two slices handed off in turn
-//     with one stage of dO, and P^T, dS^T in two buffers each, alternating (at 256, 48 keys with the
-//     whole dQ tile at once read slower: docs/PERF_NOTES.md).
+//                                                       // two slices, each with a place of its own
+//     with one stage of dO; P^T, dS^T in two pairs, alternating, at 256 (48 keys with the whole dQ
+//     tile at once read slower: docs/PERF_NOTES.md), one pair at 192.
 // Then dK_j *= softmax_scale; dK_j, dV_j to memory.
 // Has_score_mod instances take the raw scores to natural units before P and fold the softcap's
 // derivative into dS; Is_deterministic ones add each q block's dQ tiles in a fixed key-block order
 // (a semaphore per q block); a sink needs nothing here (it is in the LSE).
 // Shared memory: K, V (kBlockN rows), kStages x Q, kStagesDO x dO (kBlockM rows), each as 64-column
-// chunks with the 128-byte swizzle; kDSBuffers x kBlockN x kBlockM 16-bit (dS^T twice, or P^T and dS^T twice;
+// chunks with the 128-byte swizzle; kDSBuffers x kBlockN x kBlockM 16-bit (dS^T twice, or P^T and dS^T kPdSPairs times;
 // 64-query chunks of [kBlockN keys][64], 128-byte rows, the same swizzle; with 80 queries dS
 // twice, 64-key chunks of [80 queries][64]); per consumer its dQ_i
-// tile (or slice; float32, 32-column parts, the same swizzle); kStages x (LSE_i log2 e, D_i); the mbarriers.
+// tile (at 192 both slices, at 256 the first; float32, 32-column parts, the same swizzle); kStages x
+// (LSE_i log2 e, D_i); the mbarriers.
 #include "sm90.cuh"
 #include "mask.cuh"
 #include "score_mod.cuh"
@@ -89,9 +90,8 @@ struct Sm90BwdTraits {
     // its half of the queries (kDQSplitRows) and all columns; with 80 (not a wgmma M), all of them and
     // half of the columns, computed transposed (kDQTransposed: dQ_i^T = K_j^T dS^T, queries on N).
     // Keys on N, a consumer's half of the columns goes in kDQSlices slices of at most 64, computed
-    // and handed off in turn through one tile (what the keys' K and V leave of shared memory holds
-    // one slice a consumer): at 256 its two chunks; at 192 a whole chunk (0 or 2), then its half of the
-    // middle one. At d = 96 each consumer takes a chunk's 64 columns, the second's last 32 past the
+    // and handed off in turn (each with a place of its own: kDQSlicesApart, kDQSecondInQ below): at
+    // 256 its two chunks; at 192 a whole chunk (0 or 2), then its half of the middle one. At d = 96 each consumer takes a chunk's 64 columns, the second's last 32 past the
     // head dim (K's zeros) and not added (kDQColsLast). A wgmma's N-major B may start inside a chunk
     // but not run past its end.
     static constexpr bool kDQSplitRows = kBlockM == 128;

@@ -60,8 +60,9 @@ def dq_rows(block: int) -> int:
 
 
 def smem_bytes(head_dim: int, block_m: int, stages: int) -> int:
-    """K, V, stages x Q, dO's stages, 2 x dS^T (or twice P^T and dS^T), the dQ tile (float32, split
-    between the consumers; with keys on N a 64-column slice each, handed off in turn),
+    """K, V, stages x Q, dO's stages, 2 x dS^T (or P^T and dS^T, twice at 256), the dQ tile (float32,
+    split between the consumers; with keys on N the first 64-column slice each at 256, whose second
+    goes to the Q stage, both slices, 96 columns, at 192),
     stages x (LSE, D), the mbarriers, 1024 bytes of alignment (Sm90BwdTraits); tiles of whole 64-column
     chunks (sm90_fwd.tile_cols)."""
     block_n, cols = BLOCK_N[head_dim], tile_cols(head_dim)
