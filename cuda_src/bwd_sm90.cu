@@ -91,9 +91,10 @@ struct Sm90BwdTraits {
     // half of the columns, computed transposed (kDQTransposed: dQ_i^T = K_j^T dS^T, queries on N).
     // Keys on N, a consumer's half of the columns goes in kDQSlices slices of at most 64, computed
     // and handed off in turn (each with a place of its own: kDQSlicesApart, kDQSecondInQ below): at
-    // 256 its two chunks; at 192 a whole chunk (0 or 2), then its half of the middle one. At d = 96 each consumer takes a chunk's 64 columns, the second's last 32 past the
-    // head dim (K's zeros) and not added (kDQColsLast). A wgmma's N-major B may start inside a chunk
-    // but not run past its end.
+    // 256 its two chunks; at 192 a whole chunk (0 or 2), then its half of the middle one. At d = 96
+    // each consumer takes a chunk's 64 columns, the second's last 32 past the head dim (K's zeros)
+    // and not added (kDQColsLast). A wgmma's N-major B may start inside a chunk but not run past its
+    // end.
     static constexpr bool kDQSplitRows = kBlockM == 128;
     static constexpr bool kDQTransposed = !kKeysOnN && kBlockM % 64 != 0;
     static constexpr int kDQSlices = kKeysOnN ? 2 : 1;
@@ -130,6 +131,8 @@ struct Sm90BwdTraits {
     // stage, once it has read the slice.
     static constexpr bool kDQSlicesApart = kDKVSplitKeys, kDQSecondInQ = kKeysOnN && !kDKVSplitKeys;
     static constexpr int kDQPartBytes = kDQRows * kDQPartCols * 4;
+    static_assert(!kDQSecondInQ || (kDQParts * kDQPartBytes == kQBytes / 2 && kDKVCols * kBlockM * 2 == kQBytes / 2),
+                  "the second dQ slice fills the consumer's half of the Q stage: the columns of its dK^T");
     static constexpr int kDQBytes = (kDQSlicesApart ? (kChunk + kChunk / 2) / kDQPartCols : kDQParts) * kDQPartBytes;
     static constexpr int kOffV = kKVBytes;
     static constexpr int kOffQ = 2 * kKVBytes;
@@ -387,7 +390,7 @@ FC_DEVICE void bwd_producer(const Sm90BwdArgs& args, const Sm90BwdBlock<T, Is_ca
 template <class T>
 FC_DEVICE void hand_off_dq_transposed(u32 smem, int consumer, int warp, int g, int t,
                                       const float (&acc_dq)[T::kDQRows / 2]) {
-    const u32 tile = smem + T::kOffDQ + consumer * T::kDQBytes;
+    const u32 tile = smem + T::kOffDQ + consumer * T::kDQBytes;  // = T::dq_place(consumer, 0, 0)
     named_bar_sync(T::kBarDQEmpty + consumer, T::kDQHandoff);
 #pragma unroll
     for (int h = 0; h < 2; ++h)
@@ -401,7 +404,7 @@ FC_DEVICE void hand_off_dq_transposed(u32 smem, int consumer, int warp, int g, i
             for (int nt = 0; nt < T::kDQRows / 8; ++nt) st_shared_f32(addr + nt * 1024, acc_dq[4 * nt + 2 * h + e1]);
         }
     fence_proxy_async_shared();  // visible to the TMA reduction
-    named_bar_arrive(T::kBarDQFull + consumer, T::kDQHandoff);
+    named_bar_arrive(T::dq_full_bar(consumer, 0), T::kDQHandoff);
 }
 
 template <class T, int kCols = T::kDQCols, int kSlice = 0, int kRegs>
