@@ -917,7 +917,8 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
                   "dK, dV staged in the Q, dO and P^T, dS^T buffers");
     const u32 sdK = in_place(smem_u32(b.smem_ptr)) + T::kOffQ, sdV = sdK + kBlockN * kRowBytes;
     if constexpr (T::kDQSecondInQ)  // the last q blocks' second dQ slices read from the Q stages
-        for (int it = max(0, m_count - kStages); it < m_count; ++it) mbar_wait(b.q_empty(it % kStages), (it / kStages) & 1);
+        for (int it = max(0, m_count - kStages); it < m_count; ++it)
+            mbar_wait(b.q_empty(it % kStages), (it / kStages) & 1);
     named_bar_sync(T::kBarDS, T::kConsumers);
     {
         const int i = lane / 8, r = lane % 8;
