@@ -133,7 +133,7 @@ struct Sm90BwdTraits {
     static constexpr int kDQPartBytes = kDQRows * kDQPartCols * 4;
     static_assert(!kDQSecondInQ || (kDQParts * kDQPartBytes == kQBytes / 2 && kDKVCols * kBlockM * 2 == kQBytes / 2),
                   "the second dQ slice fills the consumer's half of the Q stage: the columns of its dK^T");
-    static constexpr int kDQBytes = (kDQSlicesApart ? (kChunk + kChunk / 2) / kDQPartCols : kDQParts) * kDQPartBytes;
+    static constexpr int kDQBytes = (kDQSlicesApart ? kHeadDim / kConsumerWGs / kDQPartCols : kDQParts) * kDQPartBytes;
     static constexpr int kOffV = kKVBytes;
     static constexpr int kOffQ = 2 * kKVBytes;
     static constexpr int kOffDO = kOffQ + kStages * kQBytes;

@@ -71,7 +71,7 @@ def smem_bytes(head_dim: int, block_m: int, stages: int) -> int:
     barriers = 1 + 2 * stages + (2 * stages_do if keys_on_n else 0)
     split_keys = keys_on_n and head_dim // 2 % 64 != 0  # Sm90BwdTraits::kDKVSplitKeys (192)
     ds_buffers = 4 if keys_on_n and not split_keys else 2
-    dq_cols = 2 * (96 if split_keys else 64) if keys_on_n else cols
+    dq_cols = 2 * (head_dim // 2 if split_keys else 64) if keys_on_n else cols
     return (2 * block_n * cols * 2 + (stages + stages_do) * block_m * cols * 2
             + ds_buffers * block_n * block_m * 2
             + block_m * dq_cols * 4 + stages * 2 * block_m * 4 + barriers * 8 + 1024)
