@@ -186,11 +186,18 @@ struct Sm90ScoreModProbs {
     const float* lse;  // this stage's LSE_i log2 e
     const ScoreMod& mod;
     const Mask<Is_causal, Is_local, kBlockM, kBlockN>& mask;
-    int key, q0, t2, seqlen_q, seqlen_k;
+    int key, q0, t2;
     bool needs_mask;
 
     template <bool kSoftcap, bool kAlibi>
     FC_DEVICE void run() {
+        int lo[2], hi[2];  // the queries that see each of the thread's keys, less q0 + t2 (bwd_probs)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mask.rows_seeing(key + 8 * r, lo[r], hi[r]);
+            lo[r] -= q0 + t2;
+            hi[r] -= q0 + t2;
+        }
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
             float dcap[2][4];
@@ -200,10 +207,10 @@ struct Sm90ScoreModProbs {
                 const float2 lse2 = *reinterpret_cast<const float2*>(lse + 8 * nt + t2);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int k_e = key + 8 * (e / 2), q_e = q0 + 8 * nt + t2 + e % 2;
+                    const int c = 8 * nt + e % 2, k_e = key + 8 * (e / 2), q_e = q0 + t2 + c;
                     const float x = mod.apply<kSoftcap, kAlibi>(s[0][nt][e], q_e, k_e, dcap[j][e]) * kLog2e;
                     float pr = fast_exp2(x - (e % 2 ? lse2.y : lse2.x));
-                    if (needs_mask && (k_e >= seqlen_k || q_e >= seqlen_q || mask.hidden(q_e, k_e))) pr = 0.f;
+                    if (needs_mask && (c < lo[e / 2] || c >= hi[e / 2])) pr = 0.f;
                     s[0][nt][e] = pr;
                 }
             }
@@ -450,23 +457,31 @@ FC_DEVICE void store_staged_dk_dv(const BwdParams& p, const Sm90BwdBlock<T, Is_c
 }
 
 // P^T = exp2(S^T scale_log2 - LSE) in place of S^T (keys on M, plain scores): element e of tile nt
-// is key key_row + 8 (e / 2), query q0 + 8 nt + 2 t + e % 2; where kMaskable and masked, the keys
-// and queries past the sequences and those the mask hides get 0. The stage's LSE (lse_s) is read
-// here unless kLseEarly has read it already.
+// is key key_row + 8 (e / 2), query q0 + 2 t + 8 nt + e % 2; where kMaskable and masked, the keys
+// and queries past the sequences and those the mask hides get 0, tested as 8 nt + e % 2 against
+// each key's bounds (Mask::rows_seeing) less q0 + 2 t: a constant per score (a test of the query
+// per score had made masked steps 1.7x the instructions of unmasked ones). The stage's LSE (lse_s)
+// is read here unless kLseEarly has read it already.
 template <bool kMaskable, bool kLseEarly, int kNTiles, class MaskT>
 FC_DEVICE void bwd_probs(float (&acc_s)[1][kNTiles][4], float2 (&lse2)[kNTiles], const float* lse_s, float scale_log2,
-                         const MaskT& mask, int key_row, int q0, int t, int seqlen_q, int seqlen_k, bool masked) {
+                         const MaskT& mask, int key_row, int q0, int t, bool masked) {
+    int lo[2], hi[2];
+    if constexpr (kMaskable) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mask.rows_seeing(key_row + 8 * r, lo[r], hi[r]);
+            lo[r] -= q0 + 2 * t;
+            hi[r] -= q0 + 2 * t;
+        }
+    }
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
         if constexpr (!kLseEarly) lse2[nt] = *reinterpret_cast<const float2*>(lse_s + 8 * nt + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int e1 = e % 2;
+            const int e1 = e % 2, c = 8 * nt + e1;
             float pr = fast_exp2(acc_s[0][nt][e] * scale_log2 - (e1 ? lse2[nt].y : lse2[nt].x));
-            if (kMaskable && masked) {
-                const int key = key_row + 8 * (e / 2), q = q0 + 8 * nt + 2 * t + e1;
-                if (key >= seqlen_k || q >= seqlen_q || mask.hidden(q, key)) pr = 0.f;
-            }
+            if (kMaskable && masked && (c < lo[e / 2] || c >= hi[e / 2])) pr = 0.f;
             acc_s[0][nt][e] = pr;
         }
     }
@@ -549,8 +564,7 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
             u32 a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
             if constexpr (Has_score_mod) {
                 Sm90ScoreModProbs<kBlockM, kBlockN, Is_causal, Is_local, Is_bf16> probs{
-                    acc_s, a_p, lse_s, mod, b.mask, key0 + key_w0 + g, q0, 2 * t, seqlen_q,
-                    seqlen_k, walk_masked && needs_mask};
+                    acc_s, a_p, lse_s, mod, b.mask, key0 + key_w0 + g, q0, 2 * t, walk_masked && needs_mask};
                 mod.dispatch(probs);
             } else {
                 const int key_row = key0 + key_w0 + g;
@@ -559,11 +573,10 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
                 // copy, the flag tested per score there, predicated (a split per step read 9% slower)
                 constexpr bool kBanded = Is_causal || Is_local;
                 if (walk_masked && (!kBanded || needs_mask))
-                    bwd_probs<true, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t, seqlen_q,
-                                               seqlen_k, kBanded || needs_mask);
+                    bwd_probs<true, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t,
+                                               kBanded || needs_mask);
                 else
-                    bwd_probs<false, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t, seqlen_q,
-                                                seqlen_k, false);
+                    bwd_probs<false, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t, false);
 #pragma unroll
                 for (int kk = 0; kk < kBlockM / 16; ++kk)
                     acc_to_a_frag<Is_bf16>(acc_s[0][2 * kk], acc_s[0][2 * kk + 1], a_p[kk]);
@@ -716,8 +729,9 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
 
 // Keys on N: P and dCap for a consumer's S tile (64 queries x kNT n tiles of 8 keys): element e of
 // tile j is query q_row + 8 (e / 2), key key + 8 j + e % 2. P = exp2(score * scale_log2 - LSE_i log2
-// e), 0 where masked; with score mods each raw score goes to natural units first (score_mod.cuh) and
-// dcap gets the softcap's derivative, which dS = P (dP - D_i) dcap needs.
+// e), 0 where masked (8 j + e % 2 tested against the row's key bounds less key, as bwd_probs); with
+// score mods each raw score goes to natural units first (score_mod.cuh) and dcap gets the softcap's
+// derivative, which dS = P (dP - D_i) dcap needs.
 template <int kNT, class MaskT, bool Has_score_mod>
 struct Sm90ProbsKeysOnN {
     float (&s)[kNT * 4];
@@ -726,20 +740,27 @@ struct Sm90ProbsKeysOnN {
     const ScoreMod& mod;
     const MaskT& mask;
     float scale_log2;  // softmax_scale log2 e, or log2 e after a score mod
-    int q_row, key, seqlen_q, seqlen_k;
+    int q_row, key;
     bool needs_mask;
 
     template <bool kSoftcap, bool kAlibi>
     FC_DEVICE void run() {
+        int lo[2], hi[2];  // the keys each of the thread's rows sees, less key (Mask::keys_seen)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mask.keys_seen(q_row + 8 * r, lo[r], hi[r]);
+            lo[r] -= key;
+            hi[r] -= key;
+        }
 #pragma unroll
         for (int j = 0; j < kNT; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int q = q_row + 8 * (e / 2), k = key + 8 * j + e % 2;
+                const int c = 8 * j + e % 2, q = q_row + 8 * (e / 2), k = key + c;
                 float x = s[4 * j + e];
                 if constexpr (Has_score_mod) x = mod.apply<kSoftcap, kAlibi>(x, q, k, dcap[4 * j + e]);
                 float pr = fast_exp2(x * scale_log2 - lse[e / 2]);
-                if (needs_mask && (k >= seqlen_k || q >= seqlen_q || mask.hidden(q, k))) pr = 0.f;
+                if (needs_mask && (c < lo[e / 2] || c >= hi[e / 2])) pr = 0.f;
                 s[4 * j + e] = pr;
             }
     }
@@ -820,7 +841,7 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
         float dcap[kNT * 4];
         Sm90ProbsKeysOnN<kNT, decltype(b.mask), Has_score_mod> probs{
             acc_s, dcap, lse, mod, b.mask, Has_score_mod ? kLog2e : p.scale_log2, q0 + row, key0 + key_wg + 2 * t,
-            seqlen_q, seqlen_k, needs_mask};
+            needs_mask};
         if constexpr (Has_score_mod) mod.dispatch(probs);
         else probs.template run<false, false>();
         // Two P^T, dS^T pairs alternate: the other consumer read this one two q blocks ago, and has

@@ -61,6 +61,19 @@ struct Mask {
         return key >= row_key_limit(row) || (Is_local && key < row_first_key(row));
     }
 
+    // The backward's per-thread masks, in one bound pair per fragment row, so that each score's test
+    // compares a constant: with rows on keys, the rows below seqlen_q that see `key` lie in [lo, hi)
+    // (hidden's inverse: key <= row + offset + right, and Is_local's key >= row + offset - left);
+    // with rows on queries, the keys `row` sees lie in [lo, hi). Both empty past the sequences.
+    FC_DEVICE void rows_seeing(int key, int& lo, int& hi) const {
+        lo = Is_local ? key - offset - right : Is_causal ? key - (seqlen_k - seqlen_q) : 0;
+        hi = key >= seqlen_k ? lo : Is_local ? min(seqlen_q, key - offset + left + 1) : seqlen_q;
+    }
+    FC_DEVICE void keys_seen(int row, int& lo, int& hi) const {
+        lo = Is_local ? row_first_key(row) : 0;
+        hi = row >= seqlen_q ? lo : row_key_limit(row);
+    }
+
     // Does n block `n_block` hold a key that some row of q block `row0` must not see?
     FC_DEVICE bool tile_needs_mask(int row0, int n_block) const {
         const int key0 = n_block * kBlockN, key_last = key0 + kBlockN - 1;
