@@ -460,7 +460,7 @@ FC_DEVICE void store_staged_dk_dv(const BwdParams& p, const Sm90BwdBlock<T, Is_c
 // is key key_row + 8 (e / 2), query q0 + 2 t + 8 nt + e % 2; where kMaskable and masked, the keys
 // and queries past the sequences and those the mask hides get 0, tested as 8 nt + e % 2 against
 // each key's bounds (Mask::rows_seeing) less q0 + 2 t: a constant per score (a test of the query
-// per score had made masked steps 1.7x the instructions of unmasked ones). The stage's LSE (lse_s)
+// per score had made masked steps 1.4x the instructions of unmasked ones). The stage's LSE (lse_s)
 // is read here unless kLseEarly has read it already.
 template <bool kMaskable, bool kLseEarly, int kNTiles, class MaskT>
 FC_DEVICE void bwd_probs(float (&acc_s)[1][kNTiles][4], float2 (&lse2)[kNTiles], const float* lse_s, float scale_log2,
