@@ -538,23 +538,23 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
                 wgmma_commit();
             };
             mbar_wait(b.q_full(s), (it / kStages) & 1);
+            // this stage's LSE_i log2 e, then D_i; a thread's two queries in a tile are adjacent (one
+            // float2). LSE_i is read before the wgmmas are issued where registers allow (64 queries;
+            // 80 without a mask): read after them, its loads waited behind the wgmmas' and stalled
+            // P^T. D_i after P^T.
+            const float* lse_s = b.lse_stage(s);
+            constexpr bool kLseEarly = !Has_score_mod && (kBlockM == 64 || (kBlockM == 80 && !Is_causal && !Is_local));
+            float2 lse2[kBlockM / 8], dsum2[kBlockM / 8];
+            if constexpr (kLseEarly) {
+#pragma unroll
+                for (int nt = 0; nt < kBlockM / 8; ++nt) lse2[nt] = lds_f32x2(smem_u32(lse_s + 8 * nt + 2 * t));
+            }
             wgmma_fence();
             // K_j and V_j do not change: with kUniformWG their descriptors stay in uniform registers,
             // else they are rebuilt each step (in_place), not held in per-thread registers
             auto kv_base = [&](u32 tile) { return kUniformWG ? tile : in_place(tile); };
             issue_ss(s_flat, gmma_desc(kv_base(sK_wg), 16, 1024), gmma_desc(sQ_s, 16, 1024));
             issue_ss(dp_flat, gmma_desc(kv_base(sV_wg), 16, 1024), gmma_desc(sdO_s, 16, 1024));
-            // this stage's LSE_i log2 e, then D_i; a thread's two queries in a tile are adjacent (one
-            // float2). With 64 queries LSE_i is read while the wgmmas run (with 128 there are no
-            // registers for it), D_i after P^T.
-            const float* lse_s = b.lse_stage(s);
-            constexpr bool kLseEarly = !Has_score_mod && kBlockM == 64;
-            float2 lse2[kBlockM / 8], dsum2[kBlockM / 8];
-            if constexpr (kLseEarly) {
-#pragma unroll
-                for (int nt = 0; nt < kBlockM / 8; ++nt)
-                    lse2[nt] = *reinterpret_cast<const float2*>(lse_s + 8 * nt + 2 * t);
-            }
             wgmma_wait<1>();  // S^T done; dP^T still running
             fence_regs(s_flat);
 
