@@ -519,6 +519,7 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
     // as zeros with LSE +inf and D 0, so P and dS are 0 there already. Called with a constant each
     // way, inlined twice: a branch in the step instead would split its basic block (ptxas then waits
     // for dP^T before P^T).
+    constexpr bool kBanded = Is_causal || Is_local;
     auto walk = [&](const bool walk_masked, const int it_begin, const int it_end) {
         for (int it = it_begin; it < it_end; ++it) {
             const int s = it % kStages, m_block = b.m_block_min + it, q0 = m_block * kBlockM;
@@ -539,11 +540,11 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
             };
             mbar_wait(b.q_full(s), (it / kStages) & 1);
             // this stage's LSE_i log2 e, then D_i; a thread's two queries in a tile are adjacent (one
-            // float2). LSE_i is read before the wgmmas are issued where registers allow (64 queries;
-            // 80 without a mask): read after them, its loads waited behind the wgmmas' and stalled
-            // P^T. D_i after P^T.
+            // float2). LSE_i is read before the wgmmas are issued (read after them, its loads waited
+            // behind the wgmmas' and stalled P^T) in 64-query steps and in 80-query ones without a
+            // band (under a causal mask 80 measured level, with more spills). D_i after P^T.
             const float* lse_s = b.lse_stage(s);
-            constexpr bool kLseEarly = !Has_score_mod && (kBlockM == 64 || (kBlockM == 80 && !Is_causal && !Is_local));
+            constexpr bool kLseEarly = !Has_score_mod && (kBlockM == 64 || (kBlockM == 80 && !kBanded));
             float2 lse2[kBlockM / 8], dsum2[kBlockM / 8];
             if constexpr (kLseEarly) {
 #pragma unroll
@@ -560,7 +561,7 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
 
             // P^T in place of S^T and a_p, P^T in the input dtype (dV's A operand); then dS^T in place of dP^T
             const bool needs_mask = q0 + kBlockM > seqlen_q || key0 + kBlockN > seqlen_k ||
-                                    ((Is_causal || Is_local) && b.mask.tile_needs_mask(q0, b.n_block));
+                                    (kBanded && b.mask.tile_needs_mask(q0, b.n_block));
             u32 a_p[kBlockM / 16][4], a_ds[kBlockM / 16][4];
             if constexpr (Has_score_mod) {
                 Sm90ScoreModProbs<kBlockM, kBlockN, Is_causal, Is_local, Is_bf16> probs{
@@ -571,7 +572,6 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
                 // Banded builds' masked walks: masked steps take their own copy (with the flag tested per
                 // score they branched on it per score on every step, 12-18% slower). Unbanded: the walk's
                 // copy, the flag tested per score there, predicated (a split per step read 9% slower)
-                constexpr bool kBanded = Is_causal || Is_local;
                 if (walk_masked && (!kBanded || needs_mask))
                     bwd_probs<true, kLseEarly>(acc_s, lse2, lse_s, p.scale_log2, b.mask, key_row, q0, t,
                                                kBanded || needs_mask);
