@@ -172,6 +172,22 @@ struct Sm90BwdTraits {
                   "consumer), 64 queries (one wgmma M)");
 };
 
+// A thread's mask bounds for its fragment's two rows, `first` and first + 8: two keys with keys on M
+// (kRowsAreKeys: the queries that see each, Mask::rows_seeing), two queries with keys on N (the keys
+// each sees, Mask::keys_seen), less `base`, so that a score at offset c from base in row r is hidden
+// where c < lo[r] or c >= hi[r], a constant compare (a test of the query per score had made masked
+// steps 1.4x the instructions of unmasked ones).
+template <bool kRowsAreKeys, class MaskT>
+FC_DEVICE void fragment_bounds(const MaskT& mask, int first, int base, int (&lo)[2], int (&hi)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if constexpr (kRowsAreKeys) mask.rows_seeing(first + 8 * r, lo[r], hi[r]);
+        else mask.keys_seen(first + 8 * r, lo[r], hi[r]);
+        lo[r] -= base;
+        hi[r] -= base;
+    }
+}
+
 // The score-mod instances' P^T and a_p (the plain ones compute them in the kernel, where ptxas
 // keeps one branch per tile around the masking; inside this struct it branched per score, 3-14%
 // slower under a causal mask). Element e of the thread's tile nt is key key + 8 (e / 2), query
@@ -191,13 +207,8 @@ struct Sm90ScoreModProbs {
 
     template <bool kSoftcap, bool kAlibi>
     FC_DEVICE void run() {
-        int lo[2], hi[2];  // the queries that see each of the thread's keys, less q0 + t2 (bwd_probs)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mask.rows_seeing(key + 8 * r, lo[r], hi[r]);
-            lo[r] -= q0 + t2;
-            hi[r] -= q0 + t2;
-        }
+        int lo[2], hi[2];
+        fragment_bounds<true>(mask, key, q0 + t2, lo, hi);
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
             float dcap[2][4];
@@ -459,21 +470,13 @@ FC_DEVICE void store_staged_dk_dv(const BwdParams& p, const Sm90BwdBlock<T, Is_c
 // P^T = exp2(S^T scale_log2 - LSE) in place of S^T (keys on M, plain scores): element e of tile nt
 // is key key_row + 8 (e / 2), query q0 + 2 t + 8 nt + e % 2; where kMaskable and masked, the keys
 // and queries past the sequences and those the mask hides get 0, tested as 8 nt + e % 2 against
-// each key's bounds (Mask::rows_seeing) less q0 + 2 t: a constant per score (a test of the query
-// per score had made masked steps 1.4x the instructions of unmasked ones). The stage's LSE (lse_s)
-// is read here unless kLseEarly has read it already.
+// each key's bounds less q0 + 2 t (fragment_bounds). The stage's LSE (lse_s) is read here unless
+// kLseEarly has read it already.
 template <bool kMaskable, bool kLseEarly, int kNTiles, class MaskT>
 FC_DEVICE void bwd_probs(float (&acc_s)[1][kNTiles][4], float2 (&lse2)[kNTiles], const float* lse_s, float scale_log2,
                          const MaskT& mask, int key_row, int q0, int t, bool masked) {
     int lo[2], hi[2];
-    if constexpr (kMaskable) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mask.rows_seeing(key_row + 8 * r, lo[r], hi[r]);
-            lo[r] -= q0 + 2 * t;
-            hi[r] -= q0 + 2 * t;
-        }
-    }
+    if constexpr (kMaskable) fragment_bounds<true>(mask, key_row, q0 + 2 * t, lo, hi);
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
         if constexpr (!kLseEarly) lse2[nt] = *reinterpret_cast<const float2*>(lse_s + 8 * nt + 2 * t);
@@ -729,7 +732,7 @@ FC_DEVICE void bwd_consumer_keys_on_m(const BwdParams& p, const Sm90BwdBlock<T, 
 
 // Keys on N: P and dCap for a consumer's S tile (64 queries x kNT n tiles of 8 keys): element e of
 // tile j is query q_row + 8 (e / 2), key key + 8 j + e % 2. P = exp2(score * scale_log2 - LSE_i log2
-// e), 0 where masked (8 j + e % 2 tested against the row's key bounds less key, as bwd_probs); with
+// e), 0 where masked (8 j + e % 2 tested against the row's key bounds less key, fragment_bounds); with
 // score mods each raw score goes to natural units first (score_mod.cuh) and dcap gets the softcap's
 // derivative, which dS = P (dP - D_i) dcap needs.
 template <int kNT, class MaskT, bool Has_score_mod>
@@ -745,13 +748,8 @@ struct Sm90ProbsKeysOnN {
 
     template <bool kSoftcap, bool kAlibi>
     FC_DEVICE void run() {
-        int lo[2], hi[2];  // the keys each of the thread's rows sees, less key (Mask::keys_seen)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mask.keys_seen(q_row + 8 * r, lo[r], hi[r]);
-            lo[r] -= key;
-            hi[r] -= key;
-        }
+        int lo[2], hi[2];
+        fragment_bounds<false>(mask, q_row, key, lo, hi);
 #pragma unroll
         for (int j = 0; j < kNT; ++j)
 #pragma unroll
