@@ -63,7 +63,12 @@ FC_DEVICE void tma_store_4d(const TmaDesc* desc, u32 src, int c0, int c1, int c2
                  ::"l"(desc), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                  : "memory");
 }
-// A shared-memory load kept in program order with the wgmmas (asm volatile, as they are).
+// Shared-memory loads kept in program order with the wgmmas (asm volatile, as they are).
+FC_DEVICE float lds_f32(u32 addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+    return v;
+}
 FC_DEVICE float2 lds_f32x2(u32 addr) {
     float2 v;
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
