@@ -771,6 +771,7 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
     constexpr int kHeadDim = T::kHeadDim, kBlockM = T::kBlockM, kBlockN = T::kBlockN, kStages = T::kStages;
     constexpr int kNT = T::kWGKeys / 8;   // n tiles of S and dP
     constexpr int kMT = T::kDKVCols / 64, kDKVKeys = T::kDKVKeys;  // m tiles (64 columns), keys of dK^T, dV^T
+    constexpr bool kBanded = Is_causal || Is_local;
     const u32 smem = b.smem, sK = smem, sV = smem + T::kOffV, sQ = smem + T::kOffQ, sdO = smem + T::kOffDO;
     const int seqlen_q = b.seq.seqlen_q, seqlen_k = b.seq.seqlen_k, key0 = b.key0;
     const int consumer = tid / 128 - 1, lane = tid & 31, warp = (tid / 32) % 4, g = lane >> 2, t = lane & 3;
@@ -830,7 +831,7 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
         // score mods (read after them, its loads wait behind theirs and stall P; 2% faster at d =
         // 256, level at 192, slightly slower under a causal mask), else after
         const float* lse_s = b.lse_stage(s);
-        constexpr bool kLseEarly = !Has_score_mod && !Is_causal && !Is_local;
+        constexpr bool kLseEarly = !Has_score_mod && !kBanded;
         float lse[2];
         if constexpr (kLseEarly) {
             lse[0] = lds_f32(smem_u32(lse_s + row));
@@ -847,7 +848,7 @@ FC_DEVICE void bwd_consumer_keys_on_n(const BwdParams& p, const Sm90BwdBlock<T, 
         wgmma_wait<1>();  // S done; dP still running
         fence_regs(acc_s);
         const bool needs_mask = q0 + kBlockM > seqlen_q || key0 + kBlockN > seqlen_k ||
-                                ((Is_causal || Is_local) && b.mask.tile_needs_mask(q0, b.n_block));
+                                (kBanded && b.mask.tile_needs_mask(q0, b.n_block));
         float dcap[kNT * 4];
         Sm90ProbsKeysOnN<kNT, decltype(b.mask), Has_score_mod> probs{
             acc_s, dcap, lse, mod, b.mask, Has_score_mod ? kLog2e : p.scale_log2, q0 + row, key0 + key_wg + 2 * t,
