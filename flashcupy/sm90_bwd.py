@@ -18,8 +18,8 @@ from . import build, sm80
 from .configs import cpp_bool, mask_flags
 from .launch import LaunchPlan, grid_blocks
 from .replay import Replay
-from .sm90_fwd import (ARCH, NVRTC_OPTIONS, SECTIONS_FROM_QUERIES, TMA_BYTES, HopperFamily, args_with_maps,
-                       hopper_unsupported, pairs_in_l2, tensor_map_of, tile_cols)
+from .sm90_fwd import (ARCH, NVRTC_OPTIONS, TMA_BYTES, HopperFamily, args_with_maps, hopper_unsupported, pairs_in_l2,
+                       tensor_map_of, tile_cols)
 
 HEAD_DIMS = (64, 96, 128, 192, 256)
 # Keys per thread block: 128 (64 per consumer warpgroup, on the wgmma's M) up to head dim 128; with
@@ -126,6 +126,12 @@ def pack_args(bwd_record: bytes, section_heads: int, maps) -> np.void:
     """Sm90BwdArgs: the BwdParams record, the block order's section width, then the q, k, v, dout,
     dq_accum tensor maps."""
     return args_with_maps(bwd_record + struct.pack("<i", int(section_heads)), ARGS_TMA_OFFSET, maps)
+
+
+# Queries from which causal and local problems interleave pairs in sections (the forward's rule,
+# sm90_fwd.SECTIONS_FROM_QUERIES, has its own figures): on an H100 the backward's sections measured
+# up to 5% faster at 2k-8k tokens and 2-10% slower at 512 and 1k (docs/PERF_NOTES.md)
+SECTIONS_FROM_QUERIES = 2048
 
 
 def section_heads(problem, mask: str, deterministic: bool) -> int:

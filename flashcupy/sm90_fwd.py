@@ -321,10 +321,11 @@ def pairs_in_l2(pair_bytes: int, pairs: int) -> int:
     return min(1 << (fit.bit_length() - 1), pairs)
 
 
-# Queries from which causal and local problems interleave pairs in sections: on an H100 sections
-# measured 2-6% faster than one pair at a time at 2k-8k tokens, forward and backward, and 2-10%
-# slower at 512 and 1k, where a pair's few blocks run best together (docs/PERF_NOTES.md)
-SECTIONS_FROM_QUERIES = 2048
+# Queries from which causal and local problems interleave pairs in sections: sections measured
+# 2-6% faster than one pair at a time at 2k-8k tokens on an H100 and, on an H200 (7 alternating
+# rounds at the steady clock), 4% faster at 1k (d=128 and 256; d=64 level) and 1.4% slower at 512,
+# where a pair's few blocks run best together (docs/PERF_NOTES.md)
+SECTIONS_FROM_QUERIES = 1024
 
 
 def section_heads(problem, mask: str) -> int:

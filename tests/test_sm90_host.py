@@ -86,7 +86,8 @@ def test_keys_per_row(causal, window, alignment, seqlen_q, seqlen_k, keys):
     (1, 16384, 16, 128, True, 4),     # 8 MiB per head: 6 fit -> 4
     (1, 65536, 8, 256, True, 1),      # one head's K and V exceed L2: a section of one
     (1, 4096, 4, 64, True, 4),        # all heads fit: every pair in one section
-    (16, 1024, 16, 128, True, 1),     # short sequences: a pair's blocks together
+    (16, 1024, 16, 128, True, 64),    # from 1024 queries: 512 KiB of K and V per pair: 100 fit -> 64
+    (32, 512, 16, 128, True, 1),      # short sequences: a pair's blocks together
 ])
 def test_section_heads(batch, seqlen, nheads, head_dim, causal, expected):
     p = problem(batch, seqlen, nheads, head_dim, causal=causal)
