@@ -21,7 +21,8 @@
 //     loads take a warp's 16 rows from one page where the page size allows). A block's
 //     keys are its split's share of the key blocks its rows see. One split writes O and the LSE;
 //     several write float32 partials, each normalized over its own keys (LSE -inf where it saw
-//     none), and the block that finishes a q block's last split merges them (merge_splits):
+//     none), and the block that finishes a q block's last split merges them (merge_item, from
+//     L2 in the decode kernel, through shared memory in the prefill kernel's many rows):
 //     lse = log(sum_s exp(lse_s) + exp(sink)), O = sum_s exp(lse_s - lse) O_s; on sm90, where the
 //     GPU holds them all at once, a q block's splits run as one cluster and merge through
 //     distributed shared memory instead (flash_decode_cluster_kernel). (A merge kernel
@@ -381,10 +382,11 @@ FC_DEVICE bool last_split_of(int* counter, int num_splits) {
     return s_last;
 }
 
-// The merge of a q block's splits (decode_ref.merge_partials), with the sink in the denominator:
-// lse = log(sum_s exp(lse_s) + exp(sink)), out = sum_s exp(lse_s - lse) out_s. It runs after the
-// other splits' blocks are done, so its latency is the kernel's tail: every load of a chunk of
-// rows goes out at once. The partials come from other blocks, through L2 (cp.async.cg, ld.cg).
+// The prefill kernel's merge of a q block's splits (decode_ref.merge_partials), with the sink in
+// the denominator: lse = log(sum_s exp(lse_s) + exp(sink)), out = sum_s exp(lse_s - lse) out_s.
+// Up to 64 rows: more bytes than registers hold in flight (merge_splits_in_registers), so they go
+// through shared memory, every load of a chunk of rows at once. The partials come from other
+// blocks, through L2 (cp.async.cg, ld.cg).
 // A thread owns up to kItems (row, 4 columns) items of a chunk and copies those columns of every
 // split into its own part of shared memory while a warp per row (its lanes over the splits) turns
 // the LSEs into weights. s_work: kWorkFloats floats of shared memory free for it; a chunk's rows
@@ -484,50 +486,87 @@ FC_DEVICE void merge_splits(const DecodeParams& p, const Block& blk, float* s_wo
     }
 }
 
-// sm90: the merge of a q block's splits when they are the blocks of one cluster, the same math as
-// merge_splits. Each block stored its split's O and LSE in its own shared memory (s_out, s_lse);
-// after a cluster barrier, block `rank` merges items rank, rank + kCluster, .. ((row, 4 columns)
-// each) from every block's shared memory, and a second barrier keeps every block's shared memory
-// alive until the others have read it.
+// One merged item (block row r, 4 columns) over `splits` splits, load(s, lse, o) giving split s's
+// LSE and its 4 columns of O. The splits' LSEs are one row's scores: kChunk splits' loads go out
+// at once and fold into a running max and sum (the output rescaled when the max moves); the sink
+// joins the denominator once, at the end.
+template <int kChunk, bool Is_bf16, class Block, class Load>
+FC_DEVICE void merge_item(const DecodeParams& p, const Block& blk, int r, int col, int splits, const Load& load) {
+    constexpr float kLog2e = 1.4426950408889634f;
+    float top = -FC_INF, sum = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < splits; s0 += kChunk) {
+        float x[kChunk];
+        float4 o_split[kChunk];
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) {
+            if (s0 + j < splits) {
+                load(s0 + j, x[j], o_split[j]);
+            } else {
+                x[j] = -FC_INF;
+                o_split[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        }
+        float m = top;
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) m = fmaxf(m, x[j]);
+        if (m == -FC_INF) continue;  // no split so far saw a key
+        const float c = fast_exp2((top - m) * kLog2e);  // 0 while top is -inf
+        sum *= c;
+        o = make_float4(o.x * c, o.y * c, o.z * c, o.w * c);
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) {
+            const float w = fast_exp2((x[j] - m) * kLog2e);  // an empty split's O is 0, its weight 0
+            sum += w;
+            o.x += w * o_split[j].x;
+            o.y += w * o_split[j].y;
+            o.z += w * o_split[j].z;
+            o.w += w * o_split[j].w;
+        }
+        top = m;
+    }
+    float inv, lse;
+    softmax_denominator(top, sum, p.sinks ? p.sinks[blk.head(r)] : -FC_INF, inv, lse);
+    *reinterpret_cast<uint2*>(blk.out_row(p, r) + col) =
+        make_uint2(pack_f32x2<Is_bf16>(o.x * inv, o.y * inv), pack_f32x2<Is_bf16>(o.z * inv, o.w * inv));
+    if (col == 0) *blk.lse_at(p, r) = lse;
+}
+
+// The decode kernel's merge of a q block's splits by the block that counted last: its items spread
+// over the threads, each merged from the partials in L2 (merge_item, 16 splits' loads at once).
+// Its 16 rows at most cost one round trip per 16 splits, where the merge through shared memory
+// (merge_splits) waited for the copies' issue, the weights' round trip, a barrier and the sums:
+// 2.2 -> 1.5 us of a 1 x 8k step on an H200.
+template <int kHeadDim, int kThreads, bool Is_bf16, class Block>
+FC_DEVICE void merge_splits_in_registers(const DecodeParams& p, const Block& blk, int tid) {
+    constexpr int kQuads = kHeadDim / 4;
+    const i64 split_stride = i64(p.batch) * p.nheads * p.max_seqlen_q;
+    for (int item = tid; item < blk.rows_valid * kQuads; item += kThreads) {
+        const int r = item / kQuads, col = 4 * (item % kQuads);
+        const i64 slot = blk.slot(p, r);
+        merge_item<16, Is_bf16>(p, blk, r, col, p.num_splits, [&](int s, float& x, float4& o) {
+            x = ld_cg_f32(p.lse_partial + s * split_stride + slot);
+            o = ld_cg_f32x4(p.out_partial + (s * split_stride + slot) * kHeadDim + col);
+        });
+    }
+}
+
+// sm90: the merge of a q block's splits when they are the blocks of one cluster. Each block stored
+// its split's O and LSE in its own shared memory (s_out, s_lse); after a cluster barrier, block
+// `rank` merges items rank, rank + kCluster, .. ((row, 4 columns) each) from every block's shared
+// memory, and a second barrier keeps every block's shared memory alive until the others have read it.
 template <int kHeadDim, int kThreads, int kCluster, bool Is_bf16, class Block>
 FC_DEVICE void merge_cluster(const DecodeParams& p, const Block& blk, const float* s_out, const float* s_lse, int tid) {
     constexpr int kQuads = kHeadDim / 4;
-    constexpr float kLog2e = 1.4426950408889634f;
     cluster_sync();
     const int rank = cluster_rank();
     const u32 out_base = smem_u32(s_out), lse_base = smem_u32(s_lse);
     for (int item = rank + kCluster * tid; item < blk.rows_valid * kQuads; item += kCluster * kThreads) {
         const int r = item / kQuads, col = 4 * (item % kQuads);
-        float x[kCluster];
-        float4 o_split[kCluster];
-#pragma unroll
-        for (int s = 0; s < kCluster; ++s) {
-            x[s] = ld_cluster_f32(cluster_map(lse_base + 4 * r, s));
-            o_split[s] = ld_cluster_f32x4(cluster_map(out_base + 4 * (r * kHeadDim + col), s));
-        }
-        // the splits' LSEs as one row's scores: their max, the sum of exp(lse_s - max), the sink
-        float top = -FC_INF, sum = 0.f, inv, lse;
-#pragma unroll
-        for (int s = 0; s < kCluster; ++s) top = fmaxf(top, x[s]);
-        if (top != -FC_INF) {
-#pragma unroll
-            for (int s = 0; s < kCluster; ++s) sum += fast_exp2((x[s] - top) * kLog2e);
-        }
-        softmax_denominator(top, sum, p.sinks ? p.sinks[blk.head(r)] : -FC_INF, inv, lse);
-        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (lse != -FC_INF) {
-#pragma unroll
-            for (int s = 0; s < kCluster; ++s) {
-                const float w = fast_exp2((x[s] - lse) * kLog2e);
-                o.x += w * o_split[s].x;
-                o.y += w * o_split[s].y;
-                o.z += w * o_split[s].z;
-                o.w += w * o_split[s].w;
-            }
-        }
-        *reinterpret_cast<uint2*>(blk.out_row(p, r) + col) =
-            make_uint2(pack_f32x2<Is_bf16>(o.x, o.y), pack_f32x2<Is_bf16>(o.z, o.w));
-        if (col == 0) *blk.lse_at(p, r) = lse;
+        merge_item<kCluster, Is_bf16>(p, blk, r, col, kCluster, [&](int s, float& x, float4& o) {
+            x = ld_cluster_f32(cluster_map(lse_base + 4 * r, s));
+            o = ld_cluster_f32x4(cluster_map(out_base + 4 * (r * kHeadDim + col), s));
+        });
     }
     cluster_sync();
 }
@@ -668,11 +707,12 @@ FC_DEVICE void decode_attention(const DecodeParams& p) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = g + 8 * h;
+        const float sum = quad_sum(softmax.row_sum[h]);
+        if (r >= blk.rows_valid) continue;  // only valid rows are read (one decode token of 4 heads: 4 of 16)
         float* o_row = sO + (warp * kBlockM + r) * T::kOPitch + 2 * t;
 #pragma unroll
         for (int dt = 0; dt < T::kDTiles; ++dt)
             *reinterpret_cast<float2*>(o_row + 8 * dt) = make_float2(acc_o[0][dt][2 * h], acc_o[0][dt][2 * h + 1]);
-        const float sum = quad_sum(softmax.row_sum[h]);
         if (t == 0) {
             sStat[2 * (warp * kBlockM + r)] = softmax.row_max[h];
             sStat[2 * (warp * kBlockM + r) + 1] = sum;
@@ -725,7 +765,7 @@ FC_DEVICE void decode_attention(const DecodeParams& p) {
     if constexpr (kCluster > 1)
         merge_cluster<kHeadDim, kThreads, kCluster, Is_bf16>(p, blk, s_split_out, s_split_lse, tid);
     else if (partial && last_split_of(blk.split_counter(p), p.num_splits))
-        merge_splits<kHeadDim, kThreads, T::kRegionBytes / 4, kBlockM, Is_bf16>(p, blk, sO, tid);
+        merge_splits_in_registers<kHeadDim, kThreads, Is_bf16>(p, blk, tid);
 }
 
 template <int kHeadDim, int kNWarps, int kStages, bool Is_causal, bool Is_local, bool Is_bf16, bool Has_score_mod>

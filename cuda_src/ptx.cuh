@@ -124,6 +124,11 @@ FC_DEVICE float ld_cg_f32(const float* addr) {
     asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(addr));
     return v;
 }
+FC_DEVICE float4 ld_cg_f32x4(const float* addr) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(addr));
+    return v;
+}
 // Adds to a GPU-wide counter, ordered after this thread's earlier memory operations (and those a
 // barrier ordered before them) and before its later ones: a release and an acquire in one.
 FC_DEVICE int atomic_add_acq_rel_gpu(int* addr, int value) {

@@ -21,7 +21,7 @@ from .problem import AttentionOptions, Problem
 
 HEAD_DIMS = SUPPORTED_HEAD_DIMS  # every head dim of the forward
 NVRTC_OPTIONS = sm80.NVRTC_OPTIONS
-MAX_SPLITS = 128  # the merge keeps a weight per split of a row in shared memory, a lane's 4 per warp
+MAX_SPLITS = 128  # the prefill kernel's merge keeps a weight per split of a row in shared memory, a lane's 4 per warp
 MIN_KEYS_PER_SPLIT = 128  # less and the partials' traffic outweighs the parallelism
 
 # flash_decode_kernel: 16 packed query rows per block, its warps splitting the keys 16 each; by head
