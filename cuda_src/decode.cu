@@ -537,8 +537,9 @@ FC_DEVICE void merge_item(const DecodeParams& p, const Block& blk, int r, int co
 // An item costs one round trip through L2 per 16 splits (a thread has one or two at 16 rows),
 // where the merge through shared memory (merge_splits) waited for the copies' issue, the weights'
 // round trip, a barrier and the sums: 2.2 -> 1.5 us of a 1 x 8k step on an H200. Its 80 registers
-// of loads raise the kernel's count (sm90 d=128 234 -> 250, sm80 d=64 96 -> 217) below where any
-// tile's shared memory already limits its blocks per SM.
+// of loads raise the kernel's count (sm90 d=128 234 -> 250, sm80 d=64 96 -> 217), which changes
+// no tile's blocks per SM (kvcache.blocks_per_sm: shared memory, threads or the staged rows bound
+// them first).
 template <int kHeadDim, int kThreads, bool Is_bf16, class Block>
 FC_DEVICE void merge_splits_in_registers(const DecodeParams& p, const Block& blk, int tid) {
     constexpr int kQuads = kHeadDim / 4;
