@@ -148,6 +148,28 @@ def test_every_split_count(num_splits):
              causal=True)
 
 
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_more_splits_than_one_merge_chunk(with_sinks):
+    """The decode kernel's last split merges from registers 16 splits at a time (decode.cu's
+    merge_item), rescaling what it summed when a later chunk's LSE is larger: 40 splits that each
+    see keys of a 5000-key sequence (its rows' largest LSE past the first 16 splits in some row but
+    with probability 0.4 ** 8), beside a 1200-key one whose later splits are empty."""
+    import cupy
+
+    from flashcupy import kvcache
+    from flashcupy.device import device_info
+    from flashcupy.problem import AttentionOptions, Problem, plan_band
+
+    problem = Problem(2, 1, 5000, 8, 2, 128, "bfloat16", 128 ** -0.5,
+                      plan_band(False, (-1, -1), "bottom_right", 1, 5000), AttentionOptions())
+    plan = kvcache.plan_launch(problem, 40, device_info())
+    assert (type(plan.kernel), plan.kernel.cluster, plan.splits) == (kvcache.DecodeVariant, 1, 40)
+    rng = np.random.default_rng(41 + with_sinks)
+    options = dict(sinks=cupy.asarray(rng.standard_normal(8).astype(np.float32))) if with_sinks else {}
+    run_case(rng, batch=2, seqlen_q=1, nheads=8, nheads_k=2, capacity=5000, seqlens=[4999, 1200], seqlen_new=1,
+             num_splits=40, **options)
+
+
 @pytest.mark.parametrize("options", [dict(softcap=30.0), dict(window_size=(100, 0)), dict(causal=True, softcap=5.0)],
                          ids=["softcap", "window", "causal-softcap"])
 def test_options(options):
