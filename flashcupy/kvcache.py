@@ -69,9 +69,9 @@ CLUSTER_SMALL_TILE_KEYS = 1024
 # 16.8 against 14.1 / 16.6 and 8k 17.4 / 19.3 against 15.5 / 18.2, where the splits' loads win.
 CLUSTER_CAP_KEYS = 4096
 # Registers per thread of the sm90 decode kernels that stage rows in registers (head dims up to
-# 128; ptxas: up to 250, the split merge's loads in flight, and CI checks every instance's count
-# against it), rounded up to a warp's allocation unit of 256: they, not shared memory, bound the
-# blocks per SM (1, 2 and 4 of the 8-, 4- and 2-warp tiles, as at the 236 before that merge).
+# 128; ptxas: up to 250, the split merge's loads in flight), rounded up to the 8 registers a thread
+# is allocated in: they, not shared memory, bound the blocks per SM (1, 2 and 4 of the 8-, 4- and
+# 2-warp tiles). CI checks that every instance's own count gives the same blocks.
 STAGED_REGISTERS = 256
 # Up to this many packed rows (query rows x heads per block) per sequence and head group go to
 # flash_decode_kernel, more to flash_prefill_kernel, whose warps split the rows instead.

@@ -130,7 +130,8 @@ def pack_args(bwd_record: bytes, section_heads: int, maps) -> np.void:
 
 # Queries from which causal and local problems interleave pairs in sections (the forward's rule,
 # sm90_fwd.SECTIONS_FROM_QUERIES, has its own figures): on an H100 the backward's sections measured
-# up to 5% faster at 2k-8k tokens and 2-10% slower at 512 and 1k (docs/PERF_NOTES.md)
+# up to 5% faster at 2k-8k tokens and 2-10% slower at 512 and 1k; on an H200 at 1k level to 1.5%
+# slower, at 512 4% slower (docs/PERF_NOTES.md)
 SECTIONS_FROM_QUERIES = 2048
 
 
