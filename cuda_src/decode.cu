@@ -21,8 +21,9 @@
 //     loads take a warp's 16 rows from one page where the page size allows). A block's
 //     keys are its split's share of the key blocks its rows see. One split writes O and the LSE;
 //     several write float32 partials, each normalized over its own keys (LSE -inf where it saw
-//     none), and the block that finishes a q block's last split merges them (merge_item, from
-//     L2 in the decode kernel, through shared memory in the prefill kernel's many rows):
+//     none), and the block that finishes a q block's last split merges them (the decode kernel
+//     from L2 into registers, merge_splits_in_registers; the prefill kernel's many rows through
+//     shared memory, merge_splits):
 //     lse = log(sum_s exp(lse_s) + exp(sink)), O = sum_s exp(lse_s - lse) O_s; on sm90, where the
 //     GPU holds them all at once, a q block's splits run as one cluster and merge through
 //     distributed shared memory instead (flash_decode_cluster_kernel). (A merge kernel
