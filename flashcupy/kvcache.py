@@ -54,13 +54,17 @@ LONG_WAVES = 4
 # and 15 of 8 of these one-per-SM blocks (132 and 120 SMs); beyond that the count is faster. At 192
 # and 256 (H200, GQA 32/8, alternating in one process, flushed): 1 x 1k 12.2 -> 10.6 and 17.6 ->
 # 11.2 us (8 splits), 8 x 1k 23.0 -> 21.0 and 28.7 -> 24.9, 8 x 8k 105.0 -> 103.4 and 138.0 -> 133.6.
-# Over caches of at most CLUSTER_SMALL_TILE_KEYS keys where they do not, the first small tile's
-# clusters (two blocks an SM) where those fit: 32 kv heads x 1 x 1k keys, 4 splits, 12.2 / 13.4 us
-# warm / flushed against 12.4 / 14.1 with the count (H200, alternating); the long tile in 2 waves of
-# clusters 15.6 / 17.3. The count's 8-warp blocks win from there: 1.5k keys 13.7 / 16.0 against
-# 14.6 / 15.9, 2k 15.0 / 17.8 against 17.0 / 18.5, 8k 39.6 against 48.0.
+# Where they do not, and a split holds at most CLUSTER_SMALL_TILE_SPLIT_KEYS keys of the cache (one
+# key block of the long tile, two steps of the 4-warp one), the first small tile's clusters (two
+# blocks an SM) where those fit. H200, alternating in one process, replayed from a CUDA graph /
+# spin-separated warm / flushed us, small-tile clusters against the count on the long tile: 128
+# keys a split, 32 kv heads x 1 x 512 keys (4 splits) 7.02 / 10.24 / 11.36 against 7.46 / 10.75 /
+# 12.13, GQA 32/8 4 x 512 7.40 / 10.62 / 11.84 against 7.45 / 10.69 / 12.19, 2 x 1k (8 splits) 7.43 /
+# 10.69 / 11.84 against 7.54 / 10.56 / 12.06; 256 keys a split, where the small tile's four steps a
+# warp cost more than the count (since the merge from registers), 32 kv heads x 1 x 1k 9.52 / 12.58
+# / 13.86 against 9.03 / 12.16 / 13.73, GQA 4 x 1k 9.77 / 12.86 / 13.95 against 8.96 / 12.03 / 13.76.
 DECODE_CLUSTERS_SM90 = {96: (2, 4, 8), 128: (2, 4, 8), 192: (2, 4, 8), 256: (2, 4, 8)}
-CLUSTER_SMALL_TILE_KEYS = 1024
+CLUSTER_SMALL_TILE_SPLIT_KEYS = 128
 # Over caches of at most CLUSTER_CAP_KEYS keys the rule's split count, when above the largest
 # cluster, is cut to it where those clusters all fit: fewer splits, no count. H200, GQA 32/8, 1
 # sequence, 8 splits in clusters against the rule's 16 with the count, warm / flushed us: 1.5k
@@ -339,10 +343,10 @@ def plan_launch(problem: Problem, num_splits: int, device, clusters=resident_clu
         splits = max(sizes)
     if splits in sizes:
         # one cluster per q block, all at once (the first test spares the driver's, and a compile);
-        # over short caches, where the long tile's clusters do not all fit, the first small tile's
+        # over short splits, where the long tile's clusters do not all fit, the first small tile's
         tiles = [kernel] + [dataclasses.replace(kernel, warps=warps, stages=stages)
                             for warps, stages in small_tiles(problem.head_dim, device.capability)[:1]
-                            if problem.max_seqlen_k <= CLUSTER_SMALL_TILE_KEYS]
+                            if problem.max_seqlen_k <= CLUSTER_SMALL_TILE_SPLIT_KEYS * splits]
         for tile in tiles:
             clustered = dataclasses.replace(tile, cluster=splits)
             if blocks * splits <= device.sm_count * blocks_per_sm(tile, device) \

@@ -266,20 +266,21 @@ def test_splits_merged_in_a_cluster(batch, num_splits, options, head_dim):
 @pytest.mark.parametrize("head_dim", [96, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_short_cache_splits_in_small_tile_clusters(head_dim, causal):
-    """32 kv heads, one sequence of a short cache: the rule's 4 splits as clusters of the 4-warp tile
-    on an H100 SXM or H200 (32 clusters of 4 one-per-SM blocks do not fit; of these, 62 do)."""
+    """32 kv heads, one sequence of a 512-key cache: the rule's 4 splits of 128 keys as clusters of
+    the 4-warp tile on an H100 SXM or H200 (32 clusters of 4 one-per-SM blocks do not fit; of these,
+    62 do)."""
     from flashcupy import kvcache
     from flashcupy.device import device_info
     from flashcupy.problem import AttentionOptions, Problem, plan_band
 
     info = device_info()
     if info.capability == 90 and info.sm_count == 132:
-        problem = Problem(1, 1, 1024, 32, 32, head_dim, "bfloat16", head_dim ** -0.5,
-                          plan_band(causal, (-1, -1), "bottom_right", 1, 1024), AttentionOptions(causal=causal))
+        problem = Problem(1, 1, 512, 32, 32, head_dim, "bfloat16", head_dim ** -0.5,
+                          plan_band(causal, (-1, -1), "bottom_right", 1, 512), AttentionOptions(causal=causal))
         plan = kvcache.plan_launch(problem, 0, info)
         assert (plan.kernel.warps, plan.kernel.cluster, plan.splits) == (4, 4, 4), plan
     rng = np.random.default_rng(53 + head_dim + causal)
-    run_case(rng, batch=1, seqlen_q=1, nheads=32, nheads_k=32, head_dim=head_dim, capacity=1024, seqlens=[1000],
+    run_case(rng, batch=1, seqlen_q=1, nheads=32, nheads_k=32, head_dim=head_dim, capacity=512, seqlens=[497],
              seqlen_new=1, causal=causal)
 
 

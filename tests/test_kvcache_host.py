@@ -462,11 +462,15 @@ def test_hopper_merges_splits_in_a_cluster_where_every_cluster_fits():
     assert plan(1, 8192, num_splits=3) == (1, 3)
     assert plan(1, 1024, device=ada) == (1, 8)
     assert plan(1, 1024, head_dim=64) == (1, 8)
-    # 32 kv heads, 4 splits: 32 clusters of 4 long-tile blocks do not fit (30); over a short cache the
-    # 4-warp tile's do (two blocks an SM), over a long one the count merges on the long tile
-    short, long = plan_of(1, kvcache.CLUSTER_SMALL_TILE_KEYS, nheads_k=32), plan_of(1, 1040, nheads_k=32)
+    # 32 kv heads, 4 splits: 32 clusters of 4 long-tile blocks do not fit (30); over splits of a
+    # short cache the 4-warp tile's do (two blocks an SM), over longer ones the count merges on the
+    # long tile
+    short = plan_of(1, 4 * kvcache.CLUSTER_SMALL_TILE_SPLIT_KEYS, nheads_k=32)
+    long = plan_of(1, 4 * kvcache.CLUSTER_SMALL_TILE_SPLIT_KEYS + 1, nheads_k=32)
     assert (short.kernel.warps, short.kernel.cluster, short.splits) == (4, 4, 4)
     assert (long.kernel.warps, long.kernel.cluster, long.splits) == (8, 1, 4)
+    assert plan(1, 1024, nheads_k=32) == (1, 4)
+    assert plan(4, 512) == (4, 4) and plan(4, 1024) == (1, 4)  # GQA 32/8: 32 q blocks
     assert plan(1, 1024, nheads_k=16) == (8, 8)  # 16 clusters of 8: the 4-warp tile's (30 fit, not 15)
     assert plan_of(1, 1024, nheads_k=16).kernel.warps == 4
     assert plan_of(1, 1024, nheads_k=16, resident=lambda cluster: 16).kernel.warps == 8
