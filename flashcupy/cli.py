@@ -247,7 +247,8 @@ def _record_process_kernels(info) -> None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_STATUSES)
 @click.version_option(flashcupy.__version__, prog_name="flashcupy")
 def main():
-    """flashcupy: FlashAttention-2 for CuPy arrays, kernels compiled at run time by NVRTC."""
+    """flashcupy: exact attention for CuPy arrays (FlashAttention-2, FlashAttention-3-style Hopper
+    kernels, KV-cache decoding), compiled at run time by NVRTC."""
 
 
 @main.command("bench")
