@@ -108,8 +108,14 @@ def blocks_per_sm(kernel, device) -> int:
     by_smem = (device.smem_per_block_optin + 1024) // (kernel.smem_bytes + 1024)
     by_threads = (2048 if device.capability in (80, 90) else 1536) // kernel.threads
     staged = stages_rows_in_registers(kernel, device.capability)
-    by_registers = 65536 // (STAGED_REGISTERS * kernel.threads) if staged else by_threads
+    by_registers = blocks_by_registers(STAGED_REGISTERS, kernel.threads) if staged else by_threads
     return max(1, min(by_smem, by_threads, by_registers))
+
+
+def blocks_by_registers(registers: int, threads: int) -> int:
+    """How many blocks of `threads` threads using `registers` each an SM's 64 Ki registers hold (a
+    thread's registers are allocated in units of 8)."""
+    return 65536 // (-(-registers // 8) * 8 * threads)
 
 
 def stages_rows_in_registers(kernel, capability: int) -> bool:

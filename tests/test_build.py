@@ -117,10 +117,7 @@ def test_staged_decode_kernels_fit_their_register_bound(compile_results):
               if case[1] == "sm_90a" and kvcache.stages_rows_in_registers(case[0], 90) and error is None}
     assert {v.head_dim for v, _ in staged} == {d for d in kvcache.HEAD_DIMS if d <= 128}
     assert min(staged.values()) > 64  # the count was read
-
-    def blocks(registers, threads):
-        return 65536 // (-(-registers // 8) * 8 * threads)
-
+    blocks = kvcache.blocks_by_registers
     wrong = {str(v): (regs, blocks(regs, v.threads), blocks(kvcache.STAGED_REGISTERS, v.threads))
              for (v, _), regs in staged.items() if blocks(regs, v.threads) != blocks(kvcache.STAGED_REGISTERS, v.threads)}
     assert not wrong, wrong
