@@ -626,14 +626,15 @@ FC_DEVICE void decode_attention(const DecodeParams& p) {
     const u32 k_rows = tile_offset<kHeadDim>(16 * warp, 0);
     auto key0_of = [&](int i) { return (blk.n_block_min + i) * kBlockN + 16 * warp; };
     StagedRows<kHeadDim> staged;
-    // Q (every thread a share, cp.async, a group of its own) with the first steps
-    if (n_steps > 0) load_q<kBlockM, kHeadDim, kThreads>(sQ, p, blk, tid);
     if (kStaged) {
-        cp_async_commit();
-        // loads run a step ahead of the math, block-table reads two
+        // loads run a step ahead of the math, block-table reads two. The first step's rows go out
+        // before Q's copies (every thread a share, cp.async, a group of its own), whose address
+        // math would otherwise hold them back; Q is read only once those rows are in shared memory.
         if (n_steps > 0) {
             staged.fetch_blocks(cache, blk.leftpad, key0_of(0), blk.seqlen_k, lane);
             staged.load(cache, blk.leftpad, key0_of(0), blk.seqlen_k, lane);
+            load_q<kBlockM, kHeadDim, kThreads>(sQ, p, blk, tid);
+            cp_async_commit();
             if (n_steps > 1) staged.fetch_blocks(cache, blk.leftpad, key0_of(1), blk.seqlen_k, lane);
             staged.store(sK(0) + k_rows, sV(0) + k_rows, lane);
         }
@@ -642,7 +643,9 @@ FC_DEVICE void decode_attention(const DecodeParams& p) {
             if (n_steps > 2) staged.fetch_blocks(cache, blk.leftpad, key0_of(2), blk.seqlen_k, lane);
         }
     } else {
-        // the ring filled but for one stage; one cp.async group per stage always
+        // Q (every thread a share, cp.async) with the first steps; the ring filled but for one
+        // stage, one cp.async group per stage always
+        if (n_steps > 0) load_q<kBlockM, kHeadDim, kThreads>(sQ, p, blk, tid);
 #pragma unroll
         for (int i = 0; i < kStages - 1; ++i) {
             if (i < n_steps)
