@@ -14,6 +14,8 @@ queues the call between two events, so the events measure the GPU's time and not
 host's time per call is measured on its own). "warm" calls follow each other, the cache left in L2
 where it fits; "flushed" calls follow a read of FLUSH_BYTES of other memory, which leaves nothing
 of the cache in L2, as in a model where the layers between two steps read far more than L2 holds.
+"graph" times the call as a decode loop replays it: a few calls captured into one CUDA graph and
+replayed back to back (no spin between them, the cache warm where it fits), GPU time per call.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ BANDWIDTH_BYTES = 2 << 30  # the same-run copy and read bandwidth: buffers far l
 # pass after a long case (32 x 128k keys, a few seconds of full-bandwidth reads) read up to 13%
 # slow on an H200, the second as the same call does alone.
 TIMING_PASSES = 2
+# The graph holds calls enough for about GRAPH_WORK_US of warm GPU time, GRAPH_MAX_STEPS at most:
+# long enough that a replay's own launch is a small part of it.
+GRAPH_WORK_US = 200.0
+GRAPH_MAX_STEPS = 20
 MEMORY_MARGIN = 1 << 30  # free memory left beside a case's cache (outputs, partials, peers' workspace)
 
 FIELDS = {
@@ -61,6 +67,10 @@ FIELDS = {
                f"fits; the lower of {TIMING_PASSES} passes",
     "flushed_us": f"the same, each call after a read of {FLUSH_BYTES >> 20} MiB of other memory (nothing of "
                   "the cache in L2)",
+    "graph_us": "GPU time per call of graph_steps calls captured into one CUDA graph and replayed back to back "
+                "(median of `repeats` replays, each after a spin), K/V left in L2 where it fits; null with a note "
+                "if the capture failed",
+    "graph_steps": "calls per graph: enough for about GRAPH_WORK_US of warm GPU time, at most GRAPH_MAX_STEPS",
     "host_us": f"host time per call: the median over {HOST_ROUNDS} rounds of {HOST_CALLS} calls queued behind a long "
                "spin, wall clock over the count",
     "kv_bytes": "bytes of K and V read: batch x kv_len x nheads_k x head_dim x 2 (K, V) x 2 bytes",
@@ -70,6 +80,7 @@ FIELDS = {
     "speedup": "flashcupy: the faster peer's flushed_us over this row's (> 1: flashcupy is faster); "
                "peers: null",
     "warm_speedup": "the same over warm_us",
+    "graph_speedup": "the same over graph_us",
     "note": "why a case is skip, err or n/a, one line",
 }
 
@@ -193,6 +204,13 @@ class Clock:
         events[-1][1].synchronize()
         return statistics.median(cupy.cuda.get_elapsed_time(s, e) for s, e in events) * 1e3
 
+    def graph_us(self, capture, steps: int, repeats: int) -> float:
+        """Median GPU time per call of `steps` calls in one CUDA graph, each replay behind a spin;
+        capture(steps) records them on the clock's stream and returns what replays them there."""
+        with self.stream:
+            replay = capture(steps)
+        return self.time_us(replay, repeats, flush=False) / steps
+
     def host_us(self, step, calls: int = HOST_CALLS, rounds: int = HOST_ROUNDS) -> float:
         """Wall time per call of `calls` calls queued behind a spin long enough to hold them all,
         the median of `rounds` rounds (a round can catch the interpreter's garbage collection)."""
@@ -245,9 +263,10 @@ def hbm_peak_tbs(device_id: int | None = None) -> float | None:
 def new_record(case: DecodeCase, impl: str, layout: str = "contiguous", page_size: int | None = None) -> dict:
     return {"batch": case.batch, "kv_len": case.kv_len, "nheads": case.nheads, "nheads_k": case.nheads_k,
             "head_dim": case.head_dim, "dtype": case.dtype, "impl": impl, "layout": layout,
-            "page_size": page_size, "status": "ok", "warm_us": None, "flushed_us": None, "host_us": None,
-            "kv_bytes": case.kv_bytes, "flushed_tbs": None, "peak_fraction": None, "splits": None,
-            "speedup": None, "warm_speedup": None, "note": None}
+            "page_size": page_size, "status": "ok", "warm_us": None, "flushed_us": None, "graph_us": None,
+            "graph_steps": None, "host_us": None, "kv_bytes": case.kv_bytes, "flushed_tbs": None,
+            "peak_fraction": None, "splits": None, "speedup": None, "warm_speedup": None, "graph_speedup": None,
+            "note": None}
 
 
 def run_sweep(cases, impls=IMPLS, layouts=LAYOUTS, page_size=DEFAULT_PAGE_SIZE, repeats=DEFAULT_REPEATS,
@@ -344,22 +363,36 @@ def _bench_row(case, row, inputs, repeats, clock, warmup=bench.DEFAULT_WARMUP) -
     impl, layout, page_size = row
     record = new_record(case, *row)
     with bench.outcome_of(record):
-        step, splits = _make_step(impl, layout, page_size, case, inputs)
+        step, splits, capture = _make_step(impl, layout, page_size, case, inputs)
         clock.warm_up(step, warmup)
         warm, flushed = [], []
         for _ in range(TIMING_PASSES):
             warm.append(clock.time_us(step, repeats, flush=False))
             flushed.append(clock.time_us(step, repeats, flush=True))
         record.update(warm_us=min(warm), flushed_us=min(flushed), host_us=clock.host_us(step), splits=splits)
+        steps = graph_steps(record["warm_us"])
+        try:
+            record.update(graph_us=clock.graph_us(capture, steps, repeats), graph_steps=steps)
+        except Exception as exc:  # the row's other times stand
+            record["note"] = f"graph: {type(exc).__name__}: {exc}".splitlines()[0][:200]
     return record
 
 
+def graph_steps(warm_us: float) -> int:
+    """Calls per graph for a call of `warm_us`: GRAPH_WORK_US of work, 1 to GRAPH_MAX_STEPS calls."""
+    return max(1, min(GRAPH_MAX_STEPS, int(GRAPH_WORK_US // max(warm_us, 1e-3))))
+
+
 def _make_step(impl, layout, page_size, case, inputs):
-    """(step, splits): a callable that queues one call, and flashcupy's split count."""
+    """(step, splits, capture): a callable that queues one call on CuPy's current stream,
+    flashcupy's split count, and capture(n): n calls recorded into a CUDA graph on that stream,
+    returning what replays them there."""
     if impl == "flashcupy":
-        return _flashcupy_step(layout, page_size, case, inputs)
+        step, splits = _flashcupy_step(layout, page_size, case, inputs)
+        return step, splits, _cupy_capture(step)
     if impl in PEERS:
-        return _sdpa_step(impl, case, inputs), None
+        step, capture = _sdpa_step(impl, case, inputs)
+        return step, None, capture
     raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
 
 
@@ -384,9 +417,27 @@ def _flashcupy_step(layout, page_size, case, inputs):
     return step, kvcache.plan_launch(problem, 0, device_info(q.device.id)).splits
 
 
+def _cupy_capture(step):
+    """capture(n) for a step of CuPy launches: CuPy's stream capture of the current stream."""
+    import cupy
+
+    def capture(n):
+        stream = cupy.cuda.get_current_stream()
+        stream.begin_capture()
+        try:
+            for _ in range(n):
+                step()
+        finally:
+            graph = stream.end_capture()
+        return lambda: graph.launch(stream)
+
+    return capture
+
+
 def _sdpa_step(impl, case, inputs):
-    """SDPA over the contiguous cache: (b, s, h, d) views as (b, h, s, d), no copy; on CuPy's current
-    stream (the clock's)."""
+    """(step, capture): SDPA over the contiguous cache, (b, s, h, d) views as (b, h, s, d), no copy;
+    on CuPy's current stream (the clock's), captured by torch's CUDA graphs (whose memory pool the
+    outputs then come from)."""
     reason = bench.torch_unavailable_reason()
     if reason:
         raise bench.NotApplicable(reason)
@@ -404,7 +455,19 @@ def _sdpa_step(impl, case, inputs):
         with torch.cuda.stream(stream), sdpa_kernel(backend), torch.no_grad():
             F.scaled_dot_product_attention(q, k, v, **gqa)
 
-    return step
+    def capture(n):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(n):
+                step()
+
+        def replay():
+            with torch.cuda.stream(stream):
+                graph.replay()
+
+        return replay
+
+    return step, capture
 
 
 def fill_derived(records: list[dict], peak_tbs: float | None) -> None:
@@ -423,6 +486,9 @@ def fill_derived(records: list[dict], peak_tbs: float | None) -> None:
                 continue
             r["speedup"] = min(p["flushed_us"] for p in peers) / r["flushed_us"]
             r["warm_speedup"] = min(p["warm_us"] for p in peers) / r["warm_us"]
+            graphed = [p["graph_us"] for p in peers if p.get("graph_us")]
+            if r.get("graph_us") and graphed:
+                r["graph_speedup"] = min(graphed) / r["graph_us"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -441,7 +507,7 @@ def format_table(records: list[dict], limits: dict) -> str:
     for r in records:
         sections.setdefault((r["dtype"], r["head_dim"], r["nheads"], r["nheads_k"]), []).append(r)
     header = (f"{'batch':>5} {'kv len':>6} {'K/V MiB':>8}  {'impl':<20} {'warm us':>8} {'flushed us':>10} "
-              f"{'TB/s':>5} {'of peak':>7} {'host us':>7} {'splits':>6} {'vs peers':>11}")
+              f"{'graph us':>8} {'TB/s':>5} {'of peak':>7} {'host us':>7} {'splits':>6} {'vs peers':>16}")
     notes: dict = {}
     for (dtype, head_dim, nheads, nheads_k), rows in sections.items():
         lines += ["", f"decode {dtype}  head dim {head_dim}  {nheads} query heads / {nheads_k} kv heads", header]
@@ -459,13 +525,20 @@ def format_table(records: list[dict], limits: dict) -> str:
                 lines.append(f"{lead}  {name:<20} {cell:>8}")
                 continue
             fraction = f"{100 * r['peak_fraction']:.0f}%" if r.get("peak_fraction") else ""
-            vs = (f"{r['warm_speedup']:.2f}/{r['speedup']:.2f}x" if r.get("speedup") else "")
+            vs = ""
+            if r.get("speedup"):
+                graph_vs = f"{r['graph_speedup']:.2f}" if r.get("graph_speedup") else "-"
+                vs = f"{r['warm_speedup']:.2f}/{r['speedup']:.2f}/{graph_vs}x"
             splits = str(r["splits"]) if r.get("splits") else ""
-            lines.append(f"{lead}  {name:<20} {r['warm_us']:>8.1f} {r['flushed_us']:>10.1f} "
-                         f"{r['flushed_tbs']:>5.2f} {fraction:>7} {r['host_us']:>7.0f} {splits:>6} {vs:>11}")
+            graph = f"{r['graph_us']:.1f}" if r.get("graph_us") else "-"
+            if r.get("note"):
+                graph += f"[{notes.setdefault(f'{name}: ' + r['note'], len(notes) + 1)}]"
+            lines.append(f"{lead}  {name:<20} {r['warm_us']:>8.1f} {r['flushed_us']:>10.1f} {graph:>8} "
+                         f"{r['flushed_tbs']:>5.2f} {fraction:>7} {r['host_us']:>7.0f} {splits:>6} {vs:>16}")
     lines += ["", f"warm us / flushed us: median GPU time per call (the lower of {TIMING_PASSES} passes), K/V left in "
-                  "L2 / L2 flushed before each call; "
-                  "TB/s and of peak: K/V bytes over the flushed time; host us: host time per call; vs peers: the "
-                  "faster peer's time over flashcupy's, warm/flushed (> 1: flashcupy is faster)"]
+                  "L2 / L2 flushed before each call; graph us: GPU time per call of a few calls replayed back to "
+                  "back from a CUDA graph; TB/s and of peak: K/V bytes over the flushed time; host us: host time per "
+                  "call; vs peers: the faster peer's time over flashcupy's, warm/flushed/graph (> 1: flashcupy is "
+                  "faster)"]
     lines += [f"[{number}] {text}" for text, number in notes.items()]
     return "\n".join(lines)

@@ -290,8 +290,8 @@ def main():
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no table (use with --json).")
 @click.option("--decode", is_flag=True,
               help="The decode sweep instead: one query token per sequence over a full KV cache "
-                   "(flash_attn_with_kvcache, contiguous and paged) against SDPA flash and cuDNN, GPU time warm "
-                   "and with L2 flushed, K/V bytes over time against the HBM peak. Takes --head-dims (default "
+                   "(flash_attn_with_kvcache, contiguous and paged) against SDPA flash and cuDNN, GPU time warm, "
+                   "with L2 flushed and replayed from a CUDA graph, K/V bytes over time against the HBM peak. Takes --head-dims (default "
                    "128), --dtype, --peers, --repeats, --warmup, --json and the options marked --decode.")
 @click.option("--batches", multiple=True, show_default=True,
               default=(",".join(map(str, bench_decode.DEFAULT_BATCHES)),), callback=_parse_positive_ints,
@@ -444,7 +444,8 @@ def _bench_decode(ctx, head_dims, dtypes, peers, repeats, warmup, json_path, qui
     config = {"sweep": "decode", "batches": list(batches), "kv_lens": list(kv_lens),
               "heads": [list(h) for h in heads], "head_dims": list(head_dims), "dtypes": list(dtypes),
               "layouts": list(layouts), "page_size": page_size, "impls": list(impls), "repeats": repeats,
-              "warmup": warmup, "spin_us": bench_decode.SPIN_US, "flush_bytes": bench_decode.FLUSH_BYTES, **limits,
+              "warmup": warmup, "spin_us": bench_decode.SPIN_US, "flush_bytes": bench_decode.FLUSH_BYTES,
+              "graph_work_us": bench_decode.GRAPH_WORK_US, "graph_max_steps": bench_decode.GRAPH_MAX_STEPS, **limits,
               "interrupted": interrupted}
     if json_path:
         bench.write_json(bench.results_document(records, metadata, config, bench_decode.FIELDS), json_path)

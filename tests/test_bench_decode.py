@@ -52,12 +52,14 @@ def test_rows_run_flashcupy_in_each_layout_and_peers_contiguous():
 
 def _records():
     case = bench_decode.DecodeCase(8, 8192, 32, 8)
-    fc = {**bench_decode.new_record(case, "flashcupy"), "warm_us": 70.0, "flushed_us": 80.0, "host_us": 50.0,
-          "splits": 4}
+    fc = {**bench_decode.new_record(case, "flashcupy"), "warm_us": 70.0, "flushed_us": 80.0, "graph_us": 66.0,
+          "host_us": 50.0, "splits": 4}
     paged = {**bench_decode.new_record(case, "flashcupy", "paged", 256), "warm_us": 72.0, "flushed_us": 82.0,
-             "host_us": 55.0, "splits": 4}
-    flash = {**bench_decode.new_record(case, "sdpa_flash"), "warm_us": 75.0, "flushed_us": 100.0, "host_us": 30.0}
-    cudnn = {**bench_decode.new_record(case, "sdpa_cudnn"), "warm_us": 60.0, "flushed_us": 90.0, "host_us": 30.0}
+             "host_us": 55.0, "splits": 4, "note": "graph: RuntimeError: capture refused"}
+    flash = {**bench_decode.new_record(case, "sdpa_flash"), "warm_us": 75.0, "flushed_us": 100.0, "graph_us": 55.0,
+             "host_us": 30.0}
+    cudnn = {**bench_decode.new_record(case, "sdpa_cudnn"), "warm_us": 60.0, "flushed_us": 90.0, "graph_us": 57.0,
+             "host_us": 30.0}
     skipped = {**bench_decode.new_record(bench_decode.DecodeCase(128, 131072, 32, 32), "flashcupy"),
                "status": "skip", "note": "the cache needs 256.0 GiB with its margin; 130.0 GiB free"}
     return [fc, paged, flash, cudnn, skipped]
@@ -71,7 +73,8 @@ def test_bandwidth_fraction_and_speedups():
     assert fc["peak_fraction"] == pytest.approx(fc["flushed_tbs"] / 4.8)
     assert fc["speedup"] == pytest.approx(90.0 / 80.0)  # the faster peer flushed: cuDNN
     assert fc["warm_speedup"] == pytest.approx(60.0 / 70.0)  # warm: cuDNN again, faster than flashcupy
-    assert paged["speedup"] == pytest.approx(90.0 / 82.0)
+    assert fc["graph_speedup"] == pytest.approx(55.0 / 66.0)  # replayed from a graph: SDPA flash the faster peer
+    assert paged["speedup"] == pytest.approx(90.0 / 82.0) and paged["graph_speedup"] is None  # its capture failed
     assert flash["speedup"] is None and cudnn["warm_speedup"] is None
     assert skipped["flushed_tbs"] is None and skipped["speedup"] is None
 
@@ -90,8 +93,11 @@ def test_table_shows_every_row_and_explains_skips():
     assert "HBM peak 4.80 TB/s (--hbm-peak)" in table and "copy 4.30" in table and "read 4.50" in table
     assert "32 query heads / 8 kv heads" in table and "32 query heads / 32 kv heads" in table
     assert "flashcupy paged 256" in table and "sdpa_cudnn" in table
-    assert "0.86/1.12x" in table  # warm / flushed speedup over the faster peer
-    assert "skip[1]" in table and "[1] flashcupy: the cache needs 256.0 GiB" in table
+    assert "0.86/1.12/0.83x" in table  # warm / flushed / graph speedup over the faster peer
+    assert " 66.0 " in table and "graph us" in table
+    assert "0.83/1.10/-x" in table and "-[1]" in table  # the paged row's failed capture, explained
+    assert "[1] flashcupy paged 256: graph: RuntimeError: capture refused" in table
+    assert "skip[2]" in table and "[2] flashcupy: the cache needs 256.0 GiB" in table
     no_peak = bench_decode.format_table(records, {**limits, "hbm_peak_tbs": None})
     assert "HBM peak unknown" in no_peak
 
@@ -185,6 +191,7 @@ def test_decode_command_glue(monkeypatch, tmp_path, fake_gpu):
     assert document["config"]["sweep"] == "decode" and document["config"]["copy_tbs"] == 4.3
     assert document["fields"] == bench_decode.FIELDS and len(document["results"]) == 6
     assert document["config"]["warmup"] == 2 and document["config"]["interrupted"] is False
+    assert document["config"]["graph_max_steps"] == bench_decode.GRAPH_MAX_STEPS
     # --hbm-peak overrides the device's figure; peers may be narrowed
     result = invoke("bench", "--decode", "--batches", "1", "--kv-lens", "1k", "--heads", "8/2", "--hbm-peak", "3.35",
                     "--peers", "sdpa_cudnn", "-q")
@@ -233,11 +240,13 @@ def test_clock_times_the_step_alone():
 
 def test_row_keeps_the_lower_median_of_its_passes(monkeypatch):
     """A row: warmed once, then TIMING_PASSES passes of warm and flushed timing, the lower of each kept."""
-    monkeypatch.setattr(bench_decode, "_make_step", lambda *args: (lambda: None, 3))
+    capture = object()
+    monkeypatch.setattr(bench_decode, "_make_step", lambda *args: (lambda: None, 3, capture))
 
     class FakeClock:
-        def __init__(self):
-            self.times, self.warmed = {False: [20.0, 15.0], True: [30.0, 31.0]}, []
+        def __init__(self, graph_error=None):
+            self.times, self.warmed, self.graphs = {False: [20.0, 15.0], True: [30.0, 31.0]}, [], []
+            self.graph_error = graph_error
 
         def warm_up(self, step, warmup):
             self.warmed.append(warmup)
@@ -248,12 +257,55 @@ def test_row_keeps_the_lower_median_of_its_passes(monkeypatch):
         def host_us(self, step):
             return 50.0
 
+        def graph_us(self, capture, steps, repeats):
+            self.graphs.append((capture, steps, repeats))
+            if self.graph_error:
+                raise self.graph_error
+            return 12.5
+
     clock = FakeClock()
-    record = bench_decode._bench_row(bench_decode.DecodeCase(1, 1024, 8, 2), ("flashcupy", "contiguous", None), {},
-                                     5, clock, 4)
+    case, row = bench_decode.DecodeCase(1, 1024, 8, 2), ("flashcupy", "contiguous", None)
+    record = bench_decode._bench_row(case, row, {}, 5, clock, 4)
     assert record["status"] == "ok", record
     assert clock.warmed == [4] and clock.times == {False: [], True: []}
     assert (record["warm_us"], record["flushed_us"], record["host_us"], record["splits"]) == (15.0, 30.0, 50.0, 3)
+    # the graph: as many calls as make GRAPH_WORK_US of the warm time (200 / 15 -> 13)
+    assert clock.graphs == [(capture, 13, 5)] and (record["graph_us"], record["graph_steps"]) == (12.5, 13)
+    # a capture that fails leaves the row's other times and says why
+    clock = FakeClock(RuntimeError("operation not permitted when stream is capturing\nmore"))
+    record = bench_decode._bench_row(case, row, {}, 5, clock, 4)
+    assert record["status"] == "ok" and record["warm_us"] == 15.0 and record["graph_us"] is None
+    assert record["note"] == "graph: RuntimeError: operation not permitted when stream is capturing"
+
+
+@pytest.mark.parametrize("warm_us, steps", [(0.0, 20), (5.0, 20), (14.3, 13), (100.0, 2), (199.0, 1), (15000.0, 1)])
+def test_graph_steps_hold_about_the_graph_work(warm_us, steps):
+    assert bench_decode.graph_steps(warm_us) == steps
+
+
+def test_clock_graph_time_is_per_call():
+    """The capture runs on the clock's stream; a replay is timed as one step and divided by its calls."""
+    log = []
+
+    class Stream:
+        def __enter__(self):
+            log.append("enter")
+            return self
+
+        def __exit__(self, *exc):
+            log.append("exit")
+            return False
+
+    clock = object.__new__(bench_decode.Clock)
+    clock.stream = Stream()
+    clock.time_us = lambda step, repeats, flush: log.append((step(), repeats, flush)) or 120.0
+
+    def capture(n):
+        log.append(("capture", n))
+        return lambda: "replay"
+
+    assert clock.graph_us(capture, 6, 9) == 20.0
+    assert log == ["enter", ("capture", 6), "exit", ("replay", 9, False)]
 
 
 @on_gpu
@@ -271,8 +323,11 @@ def test_decode_bench_tiny_gpu(tmp_path):
         # a few MiB of K/V: far under the spin and the flush, which must stay outside the events
         assert 0 < r["warm_us"] < bench_decode.SPIN_US / 10 and 0 < r["flushed_us"] < bench_decode.SPIN_US / 10
         assert r["host_us"] > 0 and r["splits"] >= 1
+        # replayed from a graph: no spin between the calls, so no more than a spin-separated call
+        assert r["graph_steps"] == bench_decode.graph_steps(r["warm_us"]) and 0 < r["graph_us"] <= 1.1 * r["warm_us"], r
     for r in records:
         assert r["status"] in ("ok", "n/a"), r  # n/a: torch missing
+        assert r["status"] != "ok" or (r["graph_us"] and r["note"] is None), r  # peers' graphs too
 
 
 def test_an_interrupted_decode_sweep_keeps_its_finished_cases(monkeypatch, tmp_path, fake_gpu):
