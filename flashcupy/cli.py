@@ -291,8 +291,8 @@ def main():
 @click.option("--decode", is_flag=True,
               help="The decode sweep instead: one query token per sequence over a full KV cache "
                    "(flash_attn_with_kvcache, contiguous and paged) against SDPA flash and cuDNN, GPU time warm, "
-                   "with L2 flushed and replayed from a CUDA graph, K/V bytes over time against the HBM peak. Takes --head-dims (default "
-                   "128), --dtype, --peers, --repeats, --warmup, --json and the options marked --decode.")
+                   "with L2 flushed and replayed from a CUDA graph, K/V bytes over time against the HBM peak. "
+                   "Takes --head-dims (default 128), --dtype, --peers, --repeats, --warmup, --json and the options marked --decode.")
 @click.option("--batches", multiple=True, show_default=True,
               default=(",".join(map(str, bench_decode.DEFAULT_BATCHES)),), callback=_parse_positive_ints,
               help="--decode: batch sizes, comma list.")

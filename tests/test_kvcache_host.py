@@ -197,7 +197,8 @@ def test_blocks_per_sm():
                  for tile in kvcache.DECODE_TILES_SM90_SMALL[128])
     assert kvcache.blocks_per_sm(four, hopper) == 2  # by registers; shared memory would allow 3
     assert kvcache.blocks_per_sm(two, hopper) == 4
-    # a thread's registers are allocated in 8s: 128 registers hold two 256-thread blocks, 121 (as 128) too, 129 (136) one
+    # a thread's registers are allocated in 8s: 128 registers hold two 256-thread blocks, 121 (as
+    # 128) too, 129 (as 136) one
     assert [kvcache.blocks_by_registers(r, 256) for r in (121, 128, 129)] == [2, 2, 1]
 
 
