@@ -606,6 +606,7 @@ FC_DEVICE void decode_attention(const DecodeParams& p) {
     constexpr int kBlockM = T::kBlockM, kBlockN = T::kBlockN, kThreads = T::kThreads;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const u32 sQ = smem_u32(smem_raw);
+    griddep_wait();  // launched programmatically: the kernels ahead (append, the previous step) done
     auto sK = [&](int s) { return sQ + T::kQBytes + s * 2 * T::kKVBytes; };
     auto sV = [&](int s) { return sK(s) + T::kKVBytes; };
     const DecodeBlock<kBlockM, kBlockN, Is_causal, Is_local> blk(p, blockIdx.x / p.num_splits, blockIdx.x % p.num_splits);
@@ -705,6 +706,7 @@ FC_DEVICE void decode_attention(const DecodeParams& p) {
         }
     }
 
+    griddep_launch_dependents();  // the next kernel's blocks may take SMs as this one's finish
     // The warps' states through shared memory (the ring is free once no copy is in flight), then
     // each block row's: M = max_w m_w, L = sum_w l_w 2^(m_w - M), O = sum_w O_w 2^(m_w - M).
     cp_async_wait<0>();

@@ -143,6 +143,20 @@ FC_DEVICE uint4 ld_nc_v4(const void* addr) {
     asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(addr));
     return v;
 }
+// Programmatic dependent launch (sm90): a kernel launched with programmatic stream serialization
+// may start before the kernel ahead of it in its stream has finished; griddep_wait holds it until
+// that kernel has completed and its writes are visible (at once when not launched so), and
+// griddep_launch_dependents lets the kernel behind this one start its blocks early.
+FC_DEVICE void griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+FC_DEVICE void griddep_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 FC_DEVICE void st_shared_v4(u32 addr, uint4 v) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }

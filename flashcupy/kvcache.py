@@ -281,6 +281,14 @@ class DecodePlan:
     splits: int     # parts of each sequence's keys, merged by their LSEs
     blocks: int     # batch x head groups x m_blocks: the q blocks, each split `splits` ways
 
+    def launch_plan(self, nheads: int, batch: int, capability: int) -> LaunchPlan:
+        """The attention kernel's geometry. From sm90 a decode kernel is launched programmatically: it
+        may be resident while the kernel ahead of it in the stream (the append, the previous step)
+        finishes, and waits for it (griddep_wait) before reading anything in global memory."""
+        kernel = self.kernel
+        return LaunchPlan((self.m_blocks * self.splits, nheads // self.pack, batch), (kernel.threads, 1, 1),
+                          kernel.smem_bytes, programmatic=capability >= 90 and isinstance(kernel, DecodeVariant))
+
 
 def cache_problem(q, k_cache, block_table, options: AttentionOptions) -> Problem:
     """The problem of a call over this cache: keys up to its capacity (the index arrays' values are
@@ -609,7 +617,7 @@ def launch(problem, q, k_cache, v_cache, out, lse, device, *, k=None, v=None, se
 
     batch, seqlen_q, nheads, head_dim = problem.batch, problem.max_seqlen_q, problem.nheads, problem.head_dim
     plan = plan_launch(problem, num_splits, device)
-    main, pack, m_blocks, splits = plan.kernel, plan.pack, plan.m_blocks, plan.splits
+    main, pack, splits = plan.kernel, plan.pack, plan.splits
     partial = splits > 1 and main.cluster == 1  # a cluster merges in shared memory
     # What the call allocates: out and the LSE; the rotated queries; the splits' partial results
     specs = {"out": (out.shape, out.dtype, False), "lse": (lse.shape, lse.dtype, False)}
@@ -656,8 +664,7 @@ def launch(problem, q, k_cache, v_cache, out, lse, device, *, k=None, v=None, se
         if rotary_cos is not None:
             launches.append(replay.Replay(build.get_kernel(DecodeHelper("rotary_q_kernel", dtype)),
                                           LaunchPlan((seqlen_q, nheads, batch), (threads, 1, 1), 0), record, writes))
-        launches.append(replay.Replay(build.get_kernel(main), LaunchPlan((m_blocks * splits, nheads // pack, batch),
-                                                                         (main.threads, 1, 1), main.smem_bytes),
+        launches.append(replay.Replay(build.get_kernel(main), plan.launch_plan(nheads, batch, device.capability),
                                       record, writes))
     call = replay.CallReplay(buffers, launches)
     for launch in launches:

@@ -14,6 +14,7 @@ class LaunchPlan:
     grid: tuple  # (x, y, z)
     block: tuple
     smem_bytes: int
+    programmatic: bool = False  # programmatic stream serialization: the kernel calls griddep_wait first
 
 
 def grid_blocks(count: int, what: str) -> int:

@@ -29,12 +29,35 @@ def pointer(array) -> bytes:
     return _POINTER.pack(0 if array is None else array.data.ptr)
 
 
-def launch_kernel(function: int, plan, params: int, stream: int) -> None:
-    """cuLaunchKernel of the CUfunction `function` with `plan`'s geometry; `params` is the address of
-    the array of parameter addresses (one here: the kernel takes one struct by value)."""
-    from cupy.cuda import driver
+def kernel_launcher(function: int, plan):
+    """A launcher of the CUfunction `function` with `plan`'s geometry: launcher(params, stream), where
+    `params` is the address of the array of parameter addresses (one here: the kernel takes one struct
+    by value). A programmatic plan is launched with programmatic stream serialization allowed
+    (cuLaunchKernelEx through cuda-bindings: cupy has no launch with attributes), its config built once."""
+    if not plan.programmatic:
+        from cupy.cuda import driver
 
-    driver.launchKernel(function, *plan.grid, *plan.block, plan.smem_bytes, stream, params, 0)
+        geometry = (*plan.grid, *plan.block, plan.smem_bytes)
+        return lambda params, stream: driver.launchKernel(function, *geometry, stream, params, 0)
+    from cuda.bindings import driver as cu
+
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = plan.grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = plan.block
+    config.sharedMemBytes = plan.smem_bytes
+    attribute = cu.CUlaunchAttribute()
+    attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config.attrs, config.numAttrs = [attribute], 1
+    handle, success = cu.CUfunction(function), cu.CUresult.CUDA_SUCCESS
+
+    def launch(params: int, stream: int) -> None:
+        config.hStream = stream
+        err, = cu.cuLaunchKernelEx(config, handle, params, 0)
+        if err != success:
+            raise RuntimeError(f"cuLaunchKernelEx of a programmatic launch: {err}")
+
+    return launch
 
 
 class Replay:
@@ -55,7 +78,7 @@ class Replay:
         self._pointers = tuple((offset // 8, name) for offset, name, encode in self.writes
                                if encode is pointer and offset % 8 == 0)
         self._others = tuple(w for w in self.writes if not (w[2] is pointer and w[0] % 8 == 0))
-        self._function = None
+        self._launch = None
         self._lock = threading.Lock()
 
     def _padded_args(self) -> np.ndarray:
@@ -81,12 +104,12 @@ class Replay:
     def __call__(self, buffers: dict) -> None:
         import cupy
 
-        if self._function is None:  # the kept call's device is the current one (its key holds it)
-            self._function = self.kernel.kernel.ptr
+        if self._launch is None:  # the kept call's device is the current one (its key holds it)
+            self._launch = kernel_launcher(self.kernel.kernel.ptr, self.plan)
         stream = cupy.cuda.get_current_stream().ptr
         with self._lock:
             self._fill(self._raw, buffers)
-            launch_kernel(self._function, self.plan, self._params_address, stream)
+            self._launch(self._params_address, stream)
 
 
 class Buffers:

@@ -430,6 +430,29 @@ def test_hopper_takes_the_small_tiles_for_many_unsplit_blocks():
     assert "8.0" in kvcache.unsupported(128, DeviceInfo(0, "T4", 75, 40, 64 * 1024, 16 << 30))
 
 
+def test_the_attention_launch_is_programmatic_for_decode_tiles_from_sm90():
+    """The decode kernel waits for the kernel ahead of it (griddep_wait, compiled from sm90), so its
+    launch may overlap that kernel's tail there; the prefill kernel and older GPUs launch plainly."""
+    from flashcupy.problem import AttentionOptions, Problem, plan_band
+
+    hopper = DeviceInfo(0, "H200", 90, 132, 227 * 1024, 141 << 30)
+    ada = DeviceInfo(0, "RTX 4090", 89, 128, 99 * 1024, 24 << 30)
+
+    def launch_plan(batch, seqlen_q, device, num_splits=0):
+        problem = Problem(batch, seqlen_q, 8192, 32, 2, 128, "bfloat16", 128 ** -0.5,
+                          plan_band(False, (-1, -1), "bottom_right", seqlen_q, 8192), AttentionOptions())
+        p = kvcache.plan_launch(problem, num_splits, device, lambda variant, device_id: 0)
+        return p, p.launch_plan(32, batch, device.capability)
+
+    p, lp = launch_plan(3, 1, hopper, num_splits=5)
+    assert isinstance(p.kernel, kvcache.DecodeVariant) and lp.programmatic
+    assert lp.grid == (p.m_blocks * 5, 32 // p.pack, 3) and lp.block == (p.kernel.threads, 1, 1)
+    assert lp.smem_bytes == p.kernel.smem_bytes
+    assert not launch_plan(3, 1, ada)[1].programmatic
+    p, lp = launch_plan(3, 4, hopper)
+    assert isinstance(p.kernel, kvcache.PrefillVariant) and not lp.programmatic
+
+
 def test_hopper_merges_splits_in_a_cluster_where_every_cluster_fits():
     """sm90, head dim 128: a split count of DECODE_CLUSTERS_SM90 runs as one cluster per q block
     when the GPU holds all of them at once (the driver's count, faked here); else the count merges."""

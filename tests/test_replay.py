@@ -29,11 +29,14 @@ def launches(monkeypatch):
 
     made = []
 
-    def launch_kernel(function, plan, params_address, stream):
-        argument = ctypes.c_uint64.from_address(params_address).value  # the one parameter's address
-        made.append((function, plan, ctypes.string_at(argument, 4096), stream))
+    def kernel_launcher(function, plan):
+        def launch(params_address, stream):
+            argument = ctypes.c_uint64.from_address(params_address).value  # the one parameter's address
+            made.append((function, plan, ctypes.string_at(argument, 4096), stream))
 
-    monkeypatch.setattr(replay, "launch_kernel", launch_kernel)
+        return launch
+
+    monkeypatch.setattr(replay, "kernel_launcher", kernel_launcher)
     return made
 
 
@@ -89,6 +92,42 @@ def test_a_launch_writes_what_arguments_gives_each_time(no_gpu_needed, launches)
         assert raw[:len(args)] == launch.arguments(buffers)
     second = launches[1][2]
     assert second[12:20] == bytes(8) and second[40:56] == bytes([9]) * 16 and second[20:40] == args[20:40]
+
+
+def test_a_plain_plan_launches_through_cupy_with_its_geometry(monkeypatch):
+    from cupy.cuda import driver
+
+    seen = []
+    monkeypatch.setattr(driver, "launchKernel", lambda *a: seen.append(a))
+    launch = replay.kernel_launcher(0xABC, LaunchPlan((7, 2, 3), (256, 1, 1), 4096))
+    launch(0x5000, 0x77)
+    assert seen == [(0xABC, 7, 2, 3, 256, 1, 1, 4096, 0x77, 0x5000, 0)]
+
+
+def test_a_programmatic_plan_launches_with_the_serialization_attribute(monkeypatch):
+    """cuLaunchKernelEx gets the plan's geometry, the stream of each launch and programmatic stream
+    serialization allowed; a failure is raised, not dropped."""
+    from cuda.bindings import driver as cu
+
+    seen = []
+
+    def launch_ex(config, function, params, extra):
+        attribute = config.attrs[0]
+        seen.append(((config.gridDimX, config.gridDimY, config.gridDimZ),
+                     (config.blockDimX, config.blockDimY, config.blockDimZ), config.sharedMemBytes,
+                     int(config.hStream), config.numAttrs, attribute.id,
+                     attribute.value.programmaticStreamSerializationAllowed, int(function), params, extra))
+        return (cu.CUresult.CUDA_SUCCESS if len(seen) < 3 else cu.CUresult.CUDA_ERROR_INVALID_VALUE,)
+
+    monkeypatch.setattr(cu, "cuLaunchKernelEx", launch_ex)
+    launch = replay.kernel_launcher(0xABC, LaunchPlan((40, 8, 2), (512, 1, 1), 90000, programmatic=True))
+    launch(0x5000, 0x77)
+    launch(0x6000, 0x88)
+    programmatic = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert seen == [((40, 8, 2), (512, 1, 1), 90000, 0x77, 1, programmatic, 1, 0xABC, 0x5000, 0),
+                    ((40, 8, 2), (512, 1, 1), 90000, 0x88, 1, programmatic, 1, 0xABC, 0x6000, 0)]
+    with pytest.raises(RuntimeError, match="CUDA_ERROR_INVALID_VALUE"):
+        launch(0x5000, 0x77)
 
 
 def test_buffers_keep_the_callers_outputs_and_alias(monkeypatch):
