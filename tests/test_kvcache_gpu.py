@@ -408,3 +408,63 @@ def test_a_decode_loop_replays_its_launches(num_splits, paged, rotary, monkeypat
         seqlens += 1
         seqlens_d += 1  # the loop's own update, on the device
     assert len(checked) == 1
+
+
+@pytest.mark.parametrize("num_splits", [1, 0])
+def test_a_captured_loop_reads_what_the_kernels_ahead_wrote(num_splits, monkeypatch):
+    """Steps captured into one graph, each right behind kernels that write its inputs (the query, the
+    new keys and values, cache_seqlens), replayed twice from the same starting state: every step
+    attends over what those kernels wrote. From sm90 the attention kernel is launched
+    programmatically and may be resident before they end; its wait keeps it from reading early."""
+    import cupy
+
+    import flashcupy
+    from flashcupy import replay
+    from flashcupy.decode_ref import kvcache_ref
+    from flashcupy.device import device_info
+
+    rng = np.random.default_rng(31 + num_splits)
+    batch, nheads, nheads_k, d, capacity, steps = 2, 8, 2, 128, 1024, 4
+    qs, ks, vs = ([randn(rng, (batch, 1, h, d), "bfloat16") for _ in range(steps)]
+                  for h in (nheads, nheads_k, nheads_k))
+    q, k, v = (cupy.empty_like(x[0]) for x in (qs, ks, vs))
+    k_cache, v_cache = (randn(rng, (batch, capacity, nheads_k, d), "bfloat16") for _ in range(2))
+    k_start, v_start = k_cache.copy(), v_cache.copy()
+    seqlens0 = np.array([700, 1000], np.int32)
+    seqlens = cupy.asarray(seqlens0)
+    options = dict(cache_seqlens=seqlens, causal=True, num_splits=num_splits, check_values=False)
+    plans, launcher = [], replay.kernel_launcher
+    monkeypatch.setattr(replay, "kernel_launcher", lambda function, plan: plans.append(plan) or launcher(function, plan))
+    replay.clear()
+    # the references, step by step on the host
+    k_host, v_host, lens, refs = to_host64(k_cache), to_host64(v_cache), seqlens0.copy(), []
+    for i in range(steps):
+        ref_out, _, k_host, v_host = kvcache_ref(to_host64(qs[i]), k_host, v_host, to_host64(ks[i]), to_host64(vs[i]),
+                                                 cache_seqlens=lens, causal=True)
+        refs.append(ref_out)
+        lens = lens + 1
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **options)  # buffers and counters first
+        stream.synchronize()
+        assert [plan.programmatic for plan in plans] == [False, device_info().capability >= 90]  # append, attention
+        stream.begin_capture()
+        outs = []
+        for i in range(steps):
+            for src, dst in ((qs[i], q), (ks[i], k), (vs[i], v)):
+                cupy.multiply(src, 1, out=dst)  # a kernel writes each input just ahead
+            outs.append(flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **options))
+            seqlens += 1
+        graph = stream.end_capture()
+        for replay_round in range(2):
+            k_cache[...], v_cache[...] = k_start, v_start
+            seqlens[...] = cupy.asarray(seqlens0)
+            for out in outs:
+                out.fill(float("nan"))
+            graph.launch(stream)
+            stream.synchronize()
+            for i, out in enumerate(outs):
+                err = rel_err(to_host64(out), refs[i])
+                assert err < REL_TOL["bfloat16"], f"replay {replay_round}, step {i}: relative error {err:.2e}"
+            assert np.array_equal(to_host64(v_cache), v_host), "v_cache differs from the appends'"
+    assert len(plans) == 2  # the captured steps launched the kept launches
