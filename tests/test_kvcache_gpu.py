@@ -443,6 +443,7 @@ def test_a_captured_loop_reads_what_the_kernels_ahead_wrote(num_splits, monkeypa
                                                  cache_seqlens=lens, causal=True)
         refs.append(ref_out)
         lens = lens + 1
+    cupy.cuda.Device().synchronize()  # the inputs, made on the default stream
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **options)  # buffers and counters first
