@@ -79,6 +79,15 @@ def gpu_available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def has_cuda_bindings() -> bool:
+    """Whether NVIDIA's cuda-bindings (`cuda.bindings`, an extra) is installed: the Hopper families'
+    tensor maps, the decode clusters' count and programmatic launches need it."""
+    import importlib.util
+
+    return importlib.util.find_spec("cuda") is not None and importlib.util.find_spec("cuda.bindings") is not None
+
+
 # ----------------------------------------------------------------------------------------------
 # Why there is no GPU
 # ----------------------------------------------------------------------------------------------

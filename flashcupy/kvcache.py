@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -284,10 +283,14 @@ class DecodePlan:
     def launch_plan(self, nheads: int, batch: int, capability: int) -> LaunchPlan:
         """The attention kernel's geometry. From sm90 a decode kernel is launched programmatically: it
         may be resident while the kernel ahead of it in the stream (the append, the previous step)
-        finishes, and waits for it (griddep_wait) before reading anything in global memory."""
+        finishes, and waits for it (griddep_wait) before reading anything in global memory. The launch
+        goes through cuda-bindings (replay.kernel_launcher); without it, plainly."""
+        from .device import has_cuda_bindings
+
         kernel = self.kernel
+        programmatic = capability >= 90 and isinstance(kernel, DecodeVariant) and has_cuda_bindings()
         return LaunchPlan((self.m_blocks * self.splits, nheads // self.pack, batch), (kernel.threads, 1, 1),
-                          kernel.smem_bytes, programmatic=capability >= 90 and isinstance(kernel, DecodeVariant))
+                          kernel.smem_bytes, programmatic=programmatic)
 
 
 def cache_problem(q, k_cache, block_table, options: AttentionOptions) -> Problem:
@@ -306,10 +309,9 @@ def resident_clusters(variant, device_id: int) -> int:
     """How many clusters of `variant` (a DecodeVariant with cluster > 1) GPU `device_id` runs at
     once, by the driver (cuOccupancyMaxActiveClusters); 0 where it cannot say (no GPU, no
     cuda-bindings, or bindings the driver refuses), which leaves the splits to the count."""
-    from .device import gpu_available
+    from .device import gpu_available, has_cuda_bindings
 
-    if not gpu_available() or importlib.util.find_spec("cuda") is None \
-            or importlib.util.find_spec("cuda.bindings") is None:
+    if not gpu_available() or not has_cuda_bindings():
         return 0
     import cupy
 

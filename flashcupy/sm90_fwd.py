@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.util
 import struct
 from dataclasses import dataclass, replace
 
@@ -345,9 +344,9 @@ def section_heads(problem, mask: str) -> int:
 @functools.lru_cache(maxsize=None)
 def _bindings_missing() -> str | None:
     """Why the tensor maps cannot be encoded here (cuda-bindings not installed), or None."""
-    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
-        from .device import EXTRAS, install_hint
+    from .device import EXTRAS, has_cuda_bindings, install_hint
 
+    if not has_cuda_bindings():
         return (f"needs NVIDIA's cuda-bindings for its tensor maps ({install_hint(*EXTRAS.values())}, "
                 "the extra of the driver's CUDA major)")
     return None

@@ -102,3 +102,16 @@ def test_no_gpu_error_says_what_is_missing():
     with pytest.raises(device.NoGPUError) as info:
         device.current_device_id()
     assert str(info.value) == no_gpu_reason()
+
+
+def test_has_cuda_bindings_follows_the_import_system(monkeypatch):
+    import importlib.util
+
+    from flashcupy import device
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.split(".")[0] == "cuda" else real(name, *a))
+    assert device.has_cuda_bindings.__wrapped__() is False
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    assert device.has_cuda_bindings.__wrapped__() is (real("cuda") is not None and real("cuda.bindings") is not None)

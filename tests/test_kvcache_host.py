@@ -430,10 +430,14 @@ def test_hopper_takes_the_small_tiles_for_many_unsplit_blocks():
     assert "8.0" in kvcache.unsupported(128, DeviceInfo(0, "T4", 75, 40, 64 * 1024, 16 << 30))
 
 
-def test_the_attention_launch_is_programmatic_for_decode_tiles_from_sm90():
+def test_the_attention_launch_is_programmatic_for_decode_tiles_from_sm90(monkeypatch):
     """The decode kernel waits for the kernel ahead of it (griddep_wait, compiled from sm90), so its
-    launch may overlap that kernel's tail there; the prefill kernel and older GPUs launch plainly."""
+    launch may overlap that kernel's tail there; the prefill kernel, older GPUs and installs without
+    cuda-bindings launch plainly."""
+    from flashcupy import device
     from flashcupy.problem import AttentionOptions, Problem, plan_band
+
+    monkeypatch.setattr(device, "has_cuda_bindings", lambda: True)
 
     hopper = DeviceInfo(0, "H200", 90, 132, 227 * 1024, 141 << 30)
     ada = DeviceInfo(0, "RTX 4090", 89, 128, 99 * 1024, 24 << 30)
@@ -451,6 +455,8 @@ def test_the_attention_launch_is_programmatic_for_decode_tiles_from_sm90():
     assert not launch_plan(3, 1, ada)[1].programmatic
     p, lp = launch_plan(3, 4, hopper)
     assert isinstance(p.kernel, kvcache.PrefillVariant) and not lp.programmatic
+    monkeypatch.setattr(device, "has_cuda_bindings", lambda: False)  # the launch needs them
+    assert not launch_plan(3, 1, hopper)[1].programmatic
 
 
 def test_hopper_merges_splits_in_a_cluster_where_every_cluster_fits():
@@ -509,14 +515,10 @@ def test_hopper_merges_splits_in_a_cluster_where_every_cluster_fits():
 
 def test_resident_clusters_without_cuda_bindings(monkeypatch):
     """A GPU but no cuda-bindings: the driver's count cannot be asked, so no cluster is taken."""
-    import importlib.util
-
     from flashcupy import device
 
     monkeypatch.setattr(device, "gpu_available", lambda: True)
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name.split(".")[0] == "cuda" else real(name, *a))
+    monkeypatch.setattr(device, "has_cuda_bindings", lambda: False)
     variant = kvcache.DecodeVariant(128, "bfloat16", "none", False, *kvcache.DECODE_TILES_SM90[128], 2)
     assert kvcache.resident_clusters.__wrapped__(variant, 0) == 0
 

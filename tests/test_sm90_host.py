@@ -253,3 +253,12 @@ def test_head_dim_96_takes_two_consumer_warpgroups_over_short_rows():
         assert sm90_fwd.tile_for(96, "none", keys, score_mod=True) == three
     assert [sm90_fwd.tile_cols(d) for d in (64, 96, 128, 192, 256)] == [64, 128, 128, 192, 256]
     assert sm90_fwd.smem_bytes(96, short) == sm90_fwd.smem_bytes(128, short)
+
+
+def test_the_tensor_maps_need_cuda_bindings(monkeypatch):
+    from flashcupy import device, sm90_fwd
+
+    monkeypatch.setattr(device, "has_cuda_bindings", lambda: False)
+    assert "cuda-bindings" in sm90_fwd._bindings_missing.__wrapped__()
+    monkeypatch.setattr(device, "has_cuda_bindings", lambda: True)
+    assert sm90_fwd._bindings_missing.__wrapped__() is None
