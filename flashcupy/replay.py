@@ -33,12 +33,18 @@ def kernel_launcher(function: int, plan):
     """A launcher of the CUfunction `function` with `plan`'s geometry: launcher(params, stream), where
     `params` is the address of the array of parameter addresses (one here: the kernel takes one struct
     by value). A programmatic plan is launched with programmatic stream serialization allowed
-    (cuLaunchKernelEx through cuda-bindings: cupy has no launch with attributes), its config built once."""
-    if not plan.programmatic:
-        from cupy.cuda import driver
+    (cuLaunchKernelEx through cuda-bindings: cupy has no launch with attributes), its config built
+    once; where the driver refuses that launch, plainly from then on (the kernel's wait then returns
+    at once), so that an error of the plain launch is what is raised."""
+    from cupy.cuda import driver
 
-        geometry = (*plan.grid, *plan.block, plan.smem_bytes)
-        return lambda params, stream: driver.launchKernel(function, *geometry, stream, params, 0)
+    geometry = (*plan.grid, *plan.block, plan.smem_bytes)
+
+    def plain(params: int, stream: int) -> None:
+        driver.launchKernel(function, *geometry, stream, params, 0)
+
+    if not plan.programmatic:
+        return plain
     from cuda.bindings import driver as cu
 
     config = cu.CUlaunchConfig()
@@ -50,12 +56,16 @@ def kernel_launcher(function: int, plan):
     attribute.value.programmaticStreamSerializationAllowed = 1
     config.attrs, config.numAttrs = [attribute], 1
     handle, success = cu.CUfunction(function), cu.CUresult.CUDA_SUCCESS
+    refused = False
 
     def launch(params: int, stream: int) -> None:
-        config.hStream = stream
-        err, = cu.cuLaunchKernelEx(config, handle, params, 0)
-        if err != success:
-            raise RuntimeError(f"cuLaunchKernelEx of a programmatic launch: {err}")
+        nonlocal refused
+        if not refused:
+            config.hStream = stream
+            if cu.cuLaunchKernelEx(config, handle, params, 0)[0] == success:
+                return
+            refused = True
+        plain(params, stream)
 
     return launch
 

@@ -106,10 +106,12 @@ def test_a_plain_plan_launches_through_cupy_with_its_geometry(monkeypatch):
 
 def test_a_programmatic_plan_launches_with_the_serialization_attribute(monkeypatch):
     """cuLaunchKernelEx gets the plan's geometry, the stream of each launch and programmatic stream
-    serialization allowed; a failure is raised, not dropped."""
+    serialization allowed; once the driver refuses it, the launches are plain (whose errors raise)."""
     from cuda.bindings import driver as cu
+    from cupy.cuda import driver
 
-    seen = []
+    seen, plain = [], []
+    monkeypatch.setattr(driver, "launchKernel", lambda *a: plain.append(a))
 
     def launch_ex(config, function, params, extra):
         attribute = config.attrs[0]
@@ -126,8 +128,11 @@ def test_a_programmatic_plan_launches_with_the_serialization_attribute(monkeypat
     programmatic = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     assert seen == [((40, 8, 2), (512, 1, 1), 90000, 0x77, 1, programmatic, 1, 0xABC, 0x5000, 0),
                     ((40, 8, 2), (512, 1, 1), 90000, 0x88, 1, programmatic, 1, 0xABC, 0x6000, 0)]
-    with pytest.raises(RuntimeError, match="CUDA_ERROR_INVALID_VALUE"):
-        launch(0x5000, 0x77)
+    assert plain == []
+    launch(0x5000, 0x77)  # refused: launched plainly
+    launch(0x6000, 0x88)  # plainly, without asking again
+    assert len(seen) == 3
+    assert plain == [(0xABC, 40, 8, 2, 512, 1, 1, 90000, 0x77, 0x5000, 0), (0xABC, 40, 8, 2, 512, 1, 1, 90000, 0x88, 0x6000, 0)]
 
 
 def test_buffers_keep_the_callers_outputs_and_alias(monkeypatch):
