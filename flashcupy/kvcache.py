@@ -320,10 +320,8 @@ def resident_clusters(variant, device_id: int) -> int:
         try:
             from cuda.bindings import driver
 
-            config = driver.CUlaunchConfig()
-            config.gridDimX, config.gridDimY, config.gridDimZ = variant.cluster, 1, 1
-            config.blockDimX, config.blockDimY, config.blockDimZ = variant.threads, 1, 1
-            config.sharedMemBytes = variant.smem_bytes
+            config = replay.launch_config(LaunchPlan((variant.cluster, 1, 1), (variant.threads, 1, 1),
+                                                     variant.smem_bytes))  # one cluster's blocks
             err, count = driver.cuOccupancyMaxActiveClusters(driver.CUfunction(kernel.kernel.ptr), config)
         except (ImportError, RuntimeError):  # bindings built for another driver
             return 0

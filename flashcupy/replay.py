@@ -29,6 +29,23 @@ def pointer(array) -> bytes:
     return _POINTER.pack(0 if array is None else array.data.ptr)
 
 
+def launch_config(plan):
+    """cuda-bindings' CUlaunchConfig of `plan`: its geometry, and for a programmatic plan programmatic
+    stream serialization allowed (the stream is set per launch)."""
+    from cuda.bindings import driver as cu
+
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = plan.grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = plan.block
+    config.sharedMemBytes = plan.smem_bytes
+    if plan.programmatic:
+        attribute = cu.CUlaunchAttribute()
+        attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attribute.value.programmaticStreamSerializationAllowed = 1
+        config.attrs, config.numAttrs = [attribute], 1
+    return config
+
+
 def kernel_launcher(function: int, plan):
     """A launcher of the CUfunction `function` with `plan`'s geometry: launcher(params, stream), where
     `params` is the address of the array of parameter addresses (one here: the kernel takes one struct
@@ -47,14 +64,7 @@ def kernel_launcher(function: int, plan):
         return plain
     from cuda.bindings import driver as cu
 
-    config = cu.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = plan.grid
-    config.blockDimX, config.blockDimY, config.blockDimZ = plan.block
-    config.sharedMemBytes = plan.smem_bytes
-    attribute = cu.CUlaunchAttribute()
-    attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attribute.value.programmaticStreamSerializationAllowed = 1
-    config.attrs, config.numAttrs = [attribute], 1
+    config = launch_config(plan)
     handle, success = cu.CUfunction(function), cu.CUresult.CUDA_SUCCESS
     refused = False
 

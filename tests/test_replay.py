@@ -104,6 +104,13 @@ def test_a_plain_plan_launches_through_cupy_with_its_geometry(monkeypatch):
     assert seen == [(0xABC, 7, 2, 3, 256, 1, 1, 4096, 0x77, 0x5000, 0)]
 
 
+def test_a_plain_plans_launch_config_has_its_geometry_and_no_attribute():
+    config = replay.launch_config(LaunchPlan((8, 1, 1), (256, 1, 1), 140000))
+    assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (8, 1, 1)
+    assert (config.blockDimX, config.blockDimY, config.blockDimZ, config.sharedMemBytes) == (256, 1, 1, 140000)
+    assert config.numAttrs == 0
+
+
 def test_a_programmatic_plan_launches_with_the_serialization_attribute(monkeypatch):
     """cuLaunchKernelEx gets the plan's geometry, the stream of each launch and programmatic stream
     serialization allowed; once the driver refuses it, the launches are plain (whose errors raise)."""
