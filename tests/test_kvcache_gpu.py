@@ -421,7 +421,7 @@ def test_a_captured_loop_reads_what_the_kernels_ahead_wrote(num_splits, monkeypa
     import flashcupy
     from flashcupy import replay
     from flashcupy.decode_ref import kvcache_ref
-    from flashcupy.device import device_info
+    from flashcupy.device import device_info, has_cuda_bindings
 
     rng = np.random.default_rng(31 + num_splits)
     batch, nheads, nheads_k, d, capacity, steps = 2, 8, 2, 128, 1024, 4
@@ -448,7 +448,8 @@ def test_a_captured_loop_reads_what_the_kernels_ahead_wrote(num_splits, monkeypa
     with stream:
         flashcupy.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **options)  # buffers and counters first
         stream.synchronize()
-        assert [plan.programmatic for plan in plans] == [False, device_info().capability >= 90]  # append, attention
+        # append, attention: the attention launch is programmatic from sm90 where cuda-bindings can launch it so
+        assert [plan.programmatic for plan in plans] == [False, device_info().capability >= 90 and has_cuda_bindings()]
         stream.begin_capture()
         outs = []
         for i in range(steps):

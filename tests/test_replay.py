@@ -139,7 +139,8 @@ def test_a_programmatic_plan_launches_with_the_serialization_attribute(monkeypat
     launch(0x5000, 0x77)  # refused: launched plainly
     launch(0x6000, 0x88)  # plainly, without asking again
     assert len(seen) == 3
-    assert plain == [(0xABC, 40, 8, 2, 512, 1, 1, 90000, 0x77, 0x5000, 0), (0xABC, 40, 8, 2, 512, 1, 1, 90000, 0x88, 0x6000, 0)]
+    assert plain == [(0xABC, 40, 8, 2, 512, 1, 1, 90000, 0x77, 0x5000, 0),
+                     (0xABC, 40, 8, 2, 512, 1, 1, 90000, 0x88, 0x6000, 0)]
 
 
 def test_buffers_keep_the_callers_outputs_and_alias(monkeypatch):
